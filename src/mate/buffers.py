@@ -1,0 +1,70 @@
+"""Turning user buffers into byte views, and knowing where they live.
+
+Any C-contiguous object with the buffer protocol is accepted. The library
+works on a flat unsigned-byte `memoryview` of it, which also keeps the
+object alive until the message's terminal outcome (SPEC §2, Buffers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from mate.errors import InvalidArgument
+
+
+def byte_view(obj: Any, *, writable: bool, what: str) -> memoryview:
+    """A flat byte view of `obj`, or InvalidArgument saying why it cannot be used."""
+    try:
+        view = obj if type(obj) is memoryview else memoryview(obj)
+    except TypeError:
+        raise InvalidArgument(
+            f"{what} must support the buffer protocol (bytes, bytearray, memoryview, "
+            f"NumPy array), not {type(obj).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidArgument(f"{what} must be C-contiguous; copy it first (e.g. bytes(...))")
+    if writable and view.readonly:
+        raise InvalidArgument(
+            f"{what} is read-only; this call writes into it, so pass a writable "
+            "buffer (bytearray, writable memoryview, NumPy array)"
+        )
+    if view.format == "B" and view.ndim == 1:
+        return view
+    return view.cast("B")
+
+
+class _PyBuffer(ctypes.Structure):
+    # CPython's Py_buffer, as PEP 3118 defines it; only `buf` is read.
+    _fields_ = (
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    )
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = (ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int)
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = (ctypes.POINTER(_PyBuffer),)
+_release_buffer.restype = None
+
+
+def address_of(view: memoryview) -> int:
+    """The virtual address of the first byte of `view` (read-only views included)."""
+    info = _PyBuffer()
+    if _get_buffer(view, ctypes.byref(info), 0) != 0:  # PyBUF_SIMPLE
+        raise InvalidArgument("cannot take the address of this buffer")
+    try:
+        return info.buf or 0
+    finally:
+        _release_buffer(ctypes.byref(info))

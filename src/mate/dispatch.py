@@ -1,0 +1,106 @@
+"""Where and when schedule handlers run.
+
+Handlers run "eventually", one at a time, never inside the call that posted
+their message (thesis §5.1.4). Two places are offered:
+
+* ``handlers="loop"`` (default): each handler is queued on the event loop with
+  `call_soon`, so handlers run on the loop's thread, in event order,
+  serialised by the loop itself.
+* ``handlers="progress"``: a transport with a progress thread reports events
+  from that thread, and handlers run there at once, serialised by a lock,
+  concurrently with whatever the loop is doing. The application can answer a
+  request while its loop is busy computing.
+
+A handler that returns a coroutine (an ``async def`` handler) has the
+coroutine run as a task on the loop; the world owns those tasks and cancels
+them at shutdown. A handler that raises is logged on the ``mate`` logger and
+passed to the loop's exception handler; progress and other handlers go on.
+After shutdown no handler starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from mate.schedule import Handler, Receipt
+
+logger = logging.getLogger("mate")
+
+MODES = ("loop", "progress")
+
+
+class Dispatcher:
+    def __init__(self, loop: asyncio.AbstractEventLoop, mode: str) -> None:
+        self._loop = loop
+        self._inline = mode == "progress"
+        self._serial = threading.Lock()
+        self._loop_thread = threading.get_ident()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.closed = False
+
+    def on_loop_thread(self) -> bool:
+        return threading.get_ident() == self._loop_thread
+
+    def call_on_loop(self, fn: Any, *args: Any) -> None:
+        """Run `fn(*args)` on the loop's thread: now if already there, else soon."""
+        if threading.get_ident() == self._loop_thread:
+            fn(*args)
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def dispatch(self, handler: Handler, receipt: Receipt, data: Any) -> None:
+        if self._inline:
+            with self._serial:
+                self._run(handler, receipt, data)
+        elif threading.get_ident() == self._loop_thread:
+            self._loop.call_soon(self._run, handler, receipt, data)
+        else:
+            self._loop.call_soon_threadsafe(self._run, handler, receipt, data)
+
+    def _run(self, handler: Handler, receipt: Receipt, data: Any) -> None:
+        if self.closed:
+            return
+        try:
+            result = handler(receipt, data)
+        except Exception as exc:
+            self._report(exc, handler, receipt)
+            return
+        if inspect.iscoroutine(result):
+            self.call_on_loop(self._start_task, result, handler, receipt)
+
+    def _start_task(self, coro: Coroutine[Any, Any, Any], handler: Handler,
+                    receipt: Receipt) -> None:
+        if self.closed:
+            coro.close()
+            return
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._task_done(t, handler, receipt))
+
+    def _task_done(self, task: asyncio.Task[Any], handler: Handler, receipt: Receipt) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            assert exc is not None
+            self._report(exc, handler, receipt)
+
+    def _report(self, exc: BaseException, handler: Handler, receipt: Receipt) -> None:
+        name = getattr(handler, "__qualname__", repr(handler))
+        text = f"mate: {receipt.event.value if receipt.event else 'event'} handler {name} raised"
+        logger.error(text, exc_info=exc)
+        context = {"message": text, "exception": exc, "receipt": receipt}
+        self.call_on_loop(self._loop.call_exception_handler, context)
+
+    async def close(self) -> None:
+        """Start no more handlers; cancel the handler tasks and wait for them."""
+        self.closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,116 @@
+"""The value types of the model: schedules, receipts, events, states and regions.
+
+These are the thesis's `mate_schedule_t` and `mate_receipt_t` (§5.1.1) as
+frozen attrs classes: a schedule names a handler and a datum per event and can
+be shared by many messages; a receipt describes one message at one event and
+can never be changed by its reader.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+Handler = Callable[["Receipt", Any], Any]
+
+
+class Op(enum.Enum):
+    """The four communication calls."""
+
+    SEND = "send"
+    RECV = "recv"
+    PUT = "put"
+    GET = "get"
+
+
+class Event(enum.Enum):
+    """A change in a message's progress that a schedule can handle."""
+
+    SUBMISSION = "submission"  # the local buffer may be reused (send, put)
+    COMPLETION = "completion"
+    TIMEOUT = "timeout"
+    FAILURE = "failure"
+
+
+class State(enum.Enum):
+    """Where a message is in its life; the last four are terminal."""
+
+    POSTED = "posted"
+    SUBMITTED = "submitted"
+    COMPLETED = "completed"
+    TIMED_OUT = "timed out"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (State.POSTED, State.SUBMITTED)
+
+
+def _handler(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not callable(value):
+        from mate.errors import InvalidArgument
+
+        raise InvalidArgument(
+            f"Schedule.{attribute.name} must be callable or None, not {type(value).__name__}"
+        )
+
+
+@attrs.frozen
+class Schedule:
+    """What to call, and with which datum, at each event of a message.
+
+    A handler is called as ``handler(receipt, data)``; a coroutine function is
+    run as a task. Any handler may be None: that event is then not observed
+    through the schedule (it can still be awaited on the message).
+    """
+
+    completion: Handler | None = attrs.field(default=None, validator=_handler)
+    completion_data: Any = None
+    submission: Handler | None = attrs.field(default=None, validator=_handler)
+    submission_data: Any = None
+    timeout: Handler | None = attrs.field(default=None, validator=_handler)
+    timeout_data: Any = None
+    failure: Handler | None = attrs.field(default=None, validator=_handler)
+    failure_data: Any = None
+
+    def handler_for(self, event: Event) -> tuple[Handler | None, Any]:
+        """The handler and datum that `event` calls."""
+        if event is Event.COMPLETION:
+            return self.completion, self.completion_data
+        if event is Event.SUBMISSION:
+            return self.submission, self.submission_data
+        if event is Event.TIMEOUT:
+            return self.timeout, self.timeout_data
+        return self.failure, self.failure_data
+
+
+@attrs.frozen
+class Receipt:
+    """What is known of a message at one event; wildcards are filled in at completion."""
+
+    op: Op
+    tag: int | None  # None for put/get, which carry no tag
+    length: int  # bytes actually transferred (the buffer's length before completion)
+    local_pid: int
+    remote_pid: int
+    local_address: int
+    remote_address: int | None  # the target address of put/get
+    event: Event | None  # None while no event has happened yet
+    error: BaseException | None = None  # the MessageTimeout or MessageFailed, else None
+
+
+@attrs.frozen
+class Region:
+    """Memory that `pid` exposed to one-sided access: `[address, address + length)`."""
+
+    pid: int
+    address: int
+    length: int = attrs.field(validator=attrs.validators.ge(0))
+
+    def contains(self, address: int, length: int) -> bool:
+        """Whether `[address, address + length)` lies inside this region."""
+        return self.address <= address and address + length <= self.address + self.length

@@ -1,0 +1,1 @@
+"""Transports: what moves messages between processes (see `base` for the contract)."""

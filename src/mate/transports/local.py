@@ -1,0 +1,295 @@
+"""The in-process transport: N ranks in one process and one event loop.
+
+The "wire" is the event loop: `post` queues the operation with `call_soon`,
+so it is carried out after the posting call returns and in posting order
+(which gives non-overtaking for free). A `Fabric` holds the ranks of one
+group; each rank's `LocalTransport` keeps the two matching tables of thesis
+§5.3.1 and the regions it exposed.
+
+Protocols, modelled on real transports so that the same semantics are
+exercised here as on the wire:
+
+* send up to `eager_limit` bytes is eager: if no receive is waiting, the data
+  is copied into the destination's unexpected-message table, and the send is
+  submitted and completed at once (the data has reached the destination).
+* a larger send is rendezvous: it waits, uncopied, in the destination's
+  unexpected table until a receive matches; the data is then copied straight
+  into the receive buffer, and only then is the send submitted and completed.
+  Until then it can be cancelled, and it can time out.
+* put and get check the target's exposed regions first; an access outside
+  them fails with REMOTE_ACCESS and touches nothing.
+* a receive whose message is longer than its buffer gets the first bytes and
+  fails with TRUNCATED; the sender completes (its data did arrive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mate.buffers import address_of
+from mate.constants import ANY_SOURCE, PROC_MAX
+from mate.errors import FailureReason, InvalidArgument
+from mate.matching import PostedReceives, UnexpectedMessages
+from mate.message import Message
+from mate.schedule import Op, Region
+from mate.transports.base import Sink, Transport
+from mate.world import World, check_handlers, check_seconds
+
+DEFAULT_EAGER_LIMIT = 64 * 1024
+
+
+class _Stage(enum.Enum):
+    QUEUED = "queued"  # posted, waiting for the loop to carry it out
+    CANCELLED = "cancelled"  # cancelled while queued
+    WAITING = "waiting"  # a receive in the posted table
+    DONE = "done"
+
+
+class _Arrival:
+    """An entry of the unexpected-message table."""
+
+    __slots__ = ("data", "sender", "source", "tag")
+
+    def __init__(self, source: int, tag: int, data: bytes | None, sender: Message | None):
+        self.source = source
+        self.tag = tag
+        self.data = data  # eager: a copy of the message
+        self.sender = sender  # rendezvous: the send itself, still uncopied
+
+
+class Fabric:
+    """The ranks of one in-process group, indexed by rank; None once shut down."""
+
+    def __init__(self, size: int) -> None:
+        self.ranks: list[LocalTransport | None] = [None] * size
+
+
+class LocalTransport(Transport):
+    def __init__(self, fabric: Fabric, rank: int, sink: Sink,
+                 loop: asyncio.AbstractEventLoop, eager_limit: int) -> None:
+        self.fabric = fabric
+        self.mypid = rank
+        self.numprocs = len(fabric.ranks)
+        self.tag_max = 2**31 - 1
+        self.eager_limit = eager_limit
+        self._sink = sink
+        self._loop = loop
+        self._posted: PostedReceives[Message] = PostedReceives()
+        self._unexpected: UnexpectedMessages[_Arrival] = UnexpectedMessages()
+        self._regions: list[tuple[Region, memoryview]] = []
+        fabric.ranks[rank] = self
+
+    # -- posting and cancelling ------------------------------------------------------
+
+    def post(self, msg: Message) -> None:
+        msg.transport_data = _Stage.QUEUED
+        self._loop.call_soon(self._carry_out, msg)
+
+    def _carry_out(self, msg: Message) -> None:
+        if msg.transport_data is not _Stage.QUEUED or self.fabric.ranks[self.mypid] is not self:
+            return  # cancelled while queued, or this rank was shut down
+        msg.transport_data = _Stage.DONE
+        op = msg.op
+        if op is Op.SEND:
+            self._send(msg)
+        elif op is Op.RECV:
+            self._recv(msg)
+        else:
+            self._one_sided(msg)
+
+    def cancel(self, msg: Message) -> None:
+        stage = msg.transport_data
+        if stage is _Stage.QUEUED:
+            msg.transport_data = _Stage.CANCELLED
+        elif stage is _Stage.WAITING:
+            self._posted.remove(msg.peer, msg.tag, msg)
+            msg.transport_data = _Stage.DONE
+        elif isinstance(stage, _Arrival):  # a rendezvous send not yet matched
+            dest = self.fabric.ranks[msg.peer]
+            if dest is not None:
+                dest._unexpected.remove(stage.source, stage.tag, stage)
+            msg.transport_data = _Stage.DONE
+        else:
+            return  # already carried out: its terminal outcome is reported
+        self._sink.cancelled(msg)
+
+    # -- two-sided -------------------------------------------------------------------
+
+    def _send(self, msg: Message) -> None:
+        dest = self.fabric.ranks[msg.peer]
+        if dest is None:
+            self._sink.failed(msg, FailureReason.PEER_UNREACHABLE,
+                              f"rank {msg.peer} has shut down")
+            return
+        recv = dest._posted.match(self.mypid, msg.tag)
+        if recv is not None:
+            recv.transport_data = _Stage.DONE
+            dest._deliver(recv, self.mypid, msg.tag, msg.buffer)
+            self._sink.completed(msg, len(msg.buffer), msg.peer, msg.tag)
+        elif len(msg.buffer) <= self.eager_limit:
+            dest._unexpected.add(self.mypid, msg.tag,
+                                 _Arrival(self.mypid, msg.tag, bytes(msg.buffer), None))
+            self._sink.completed(msg, len(msg.buffer), msg.peer, msg.tag)
+        else:
+            arrival = _Arrival(self.mypid, msg.tag, None, msg)
+            msg.transport_data = arrival
+            dest._unexpected.add(self.mypid, msg.tag, arrival)
+
+    def _recv(self, msg: Message) -> None:
+        arrival = self._unexpected.match(msg.peer, msg.tag)
+        if arrival is None:
+            if msg.peer != ANY_SOURCE and self.fabric.ranks[msg.peer] is None:
+                self._sink.failed(msg, FailureReason.PEER_UNREACHABLE,
+                                  f"rank {msg.peer} has shut down")
+                return
+            msg.transport_data = _Stage.WAITING
+            self._posted.add(msg.peer, msg.tag, msg)
+            return
+        if arrival.data is not None:
+            self._deliver(msg, arrival.source, arrival.tag, memoryview(arrival.data))
+            return
+        sender = arrival.sender
+        assert sender is not None
+        sender.transport_data = _Stage.DONE
+        self._deliver(msg, arrival.source, arrival.tag, sender.buffer)
+        origin = self.fabric.ranks[arrival.source]
+        if origin is not None:
+            origin._sink.completed(sender, len(sender.buffer), self.mypid, sender.tag)
+
+    def _deliver(self, recv: Message, source: int, tag: int, data: memoryview) -> None:
+        n, room = len(data), len(recv.buffer)
+        if n > room:
+            recv.buffer[:] = data[:room]
+            self._sink.failed(recv, FailureReason.TRUNCATED,
+                              f"a message of {n} bytes arrived for a buffer of {room} bytes",
+                              length=room, peer=source, tag=tag)
+        else:
+            recv.buffer[:n] = data
+            self._sink.completed(recv, n, source, tag)
+
+    # -- one-sided -------------------------------------------------------------------
+
+    def _one_sided(self, msg: Message) -> None:
+        target = self.fabric.ranks[msg.peer]
+        if target is None:
+            self._sink.failed(msg, FailureReason.PEER_UNREACHABLE,
+                              f"rank {msg.peer} has shut down")
+            return
+        n = len(msg.buffer)
+        memory = target._region_memory(msg.address, n)
+        if memory is None:
+            self._sink.failed(
+                msg, FailureReason.REMOTE_ACCESS,
+                f"[{msg.address:#x}, +{n}) is not inside a region rank {msg.peer} exposed")
+            return
+        if msg.op is Op.PUT:
+            memory[:] = msg.buffer
+        else:
+            msg.buffer[:] = memory
+        self._sink.completed(msg, n, msg.peer, msg.tag)
+
+    def _region_memory(self, address: int, length: int) -> memoryview | None:
+        for region, view in self._regions:
+            if region.contains(address, length):
+                start = address - region.address
+                return view[start:start + length]
+        return None
+
+    def expose(self, buffer: memoryview) -> Region:
+        region = Region(self.mypid, address_of(buffer), len(buffer))
+        self._regions.append((region, buffer))
+        return region
+
+    async def unexpose(self, region: Region) -> None:
+        # Operations are carried out whole inside one loop callback, so none is
+        # in flight here: once the entry is gone no peer can reach the memory.
+        for i, (candidate, _) in enumerate(self._regions):
+            if candidate == region:
+                del self._regions[i]
+                return
+
+    # -- shutdown --------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        if self.fabric.ranks[self.mypid] is not self:
+            return
+        self.fabric.ranks[self.mypid] = None
+        self._posted.clear()
+        self._regions.clear()
+        # Rendezvous sends that peers parked here can never be delivered now.
+        for arrival in self._unexpected.items():
+            origin = self.fabric.ranks[arrival.source]
+            if arrival.sender is not None and origin is not None:
+                arrival.sender.transport_data = _Stage.DONE
+                origin._sink.failed(arrival.sender, FailureReason.PEER_UNREACHABLE,
+                                    f"rank {self.mypid} shut down before receiving it")
+        self._unexpected.clear()
+        for peer in self.fabric.ranks:
+            if peer is not None:
+                peer._forget(self.mypid)
+
+    def _forget(self, rank: int) -> None:
+        """`rank` has shut down: end what waited on it here."""
+        for arrival in self._unexpected.items():
+            if arrival.sender is not None and arrival.source == rank:
+                self._unexpected.remove(arrival.source, arrival.tag, arrival)
+        for recv in self._posted.items():
+            if recv.peer == rank:
+                self._posted.remove(recv.peer, recv.tag, recv)
+                recv.transport_data = _Stage.DONE
+                self._sink.failed(recv, FailureReason.PEER_UNREACHABLE,
+                                  f"rank {rank} shut down")
+
+
+def _check_eager_limit(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"eager_limit must be an int >= 0 (bytes), not {value!r}")
+    return value
+
+
+def _check_options(progress: Any, options: dict[str, Any]) -> None:
+    if options:
+        raise InvalidArgument(
+            f"unknown option(s) {sorted(options)} for the local transport; "
+            "it accepts default_timeout, handlers, eager_limit"
+        )
+    if progress is not None:
+        raise InvalidArgument(
+            f"the local transport progresses on the event loop; progress must be None, "
+            f"not {progress!r}"
+        )
+
+
+async def open_worlds(n: int, *, default_timeout: float = 1.0, progress: Any = None,
+                      handlers: str = "loop", eager_limit: int = DEFAULT_EAGER_LIMIT,
+                      **options: Any) -> list[World]:
+    """Open `n` connected local worlds on the running loop."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= PROC_MAX:
+        raise InvalidArgument(f"the number of ranks must be an int >= 1, not {n!r}")
+    _check_options(progress, options)
+    check_seconds(default_timeout, "default_timeout")
+    check_handlers(handlers)
+    eager_limit = _check_eager_limit(eager_limit)
+    loop = asyncio.get_running_loop()
+    fabric = Fabric(n)
+    worlds = []
+    for rank in range(n):
+        world = World(loop, default_timeout=default_timeout, handlers=handlers)
+        world.attach(LocalTransport(fabric, rank, world, loop, eager_limit))
+        worlds.append(world)
+    return worlds
+
+
+@contextlib.asynccontextmanager
+async def worlds(n: int, **options: Any) -> AsyncIterator[list[World]]:
+    """``async with mate.local.worlds(n) as worlds:`` - n ranks; all shut down at exit."""
+    group = await open_worlds(n, **options)
+    try:
+        yield group
+    finally:
+        for world in group:
+            await world.shutdown()

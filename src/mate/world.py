@@ -1,0 +1,335 @@
+"""The world: the MATE API of one process, and the sink its transport reports to.
+
+`World` checks every argument (raising `InvalidArgument` from the call
+itself), creates `Message`s, arms their timeouts, hands them to the transport,
+and turns what the transport reports into state changes (`mate.message`),
+schedule handlers (`mate.dispatch`) and resolved awaitables.
+
+Timeouts use the event loop's timer heap (O(log n) per message, no scan of
+the outstanding messages). The clock starts at post; deadlines are kept on
+`time.monotonic()` and checked again when the timer fires, so a timeout never
+fires early even on loops whose clock is cached or coarse (uvloop). An
+elapsed timeout only asks the transport to cancel: the message times out when
+the transport confirms, or completes if its data had already landed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import operator
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from mate.buffers import byte_view
+from mate.constants import ANY_SOURCE, ANY_TAG, UNSET, UnsetType
+from mate.dispatch import MODES, Dispatcher
+from mate.errors import FailureReason, InvalidArgument, MessageFailed, MessageTimeout
+from mate.message import Input, Message
+from mate.schedule import Op, Region, Schedule, State
+from mate.transports.base import Transport
+
+_NO_SCHEDULE = Schedule()
+Timeout = float | None | UnsetType
+
+
+def check_seconds(value: Any, what: str) -> float:
+    """A finite, non-negative number of seconds, or InvalidArgument."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{what} must be a number of seconds, not {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"{what} must be finite and >= 0, not {value!r}")
+    return float(value)
+
+
+def check_handlers(handlers: Any) -> str:
+    if handlers not in MODES:
+        raise InvalidArgument(f"handlers must be one of {MODES}, not {handlers!r}")
+    return str(handlers)
+
+
+class World:
+    """One process's view of the communicating processes (mate_startup's result)."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, *, default_timeout: float, handlers: str
+    ) -> None:
+        self._loop = loop
+        self.default_timeout = check_seconds(default_timeout, "default_timeout")
+        self.handlers = check_handlers(handlers)
+        self._dispatcher = Dispatcher(loop, self.handlers)
+        self._lock = threading.Lock()  # guards message states and the outstanding set
+        self._outstanding: set[Message] = set()
+        self._exposed: Counter[Region] = Counter()
+        self._transport: Transport | None = None
+        self._closed = False
+
+    def attach(self, transport: Transport) -> None:
+        if self.handlers == "progress" and not transport.supports_progress_handlers:
+            raise InvalidArgument(
+                f'handlers="progress" needs a transport with a progress thread; '
+                f"{type(transport).__name__} runs handlers on the loop only"
+            )
+        self._transport = transport
+        self.mypid = transport.mypid
+        self.numprocs = transport.numprocs
+        self.tag_max = transport.tag_max
+
+    # -- the API -----------------------------------------------------------------
+
+    def send(self, buffer: Any, dest: int, tag: int = 0, *,
+             schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
+        """Send `buffer` to `dest` with `tag`; completion means it reached `dest`.
+
+        A send that times out may still have reached its destination.
+        """
+        transport = self._open()
+        view = byte_view(buffer, writable=False, what="send buffer")
+        dest = self._rank(dest, "dest", wildcard=False)
+        tag = self._tag(tag, transport.tag_max, wildcard=False)
+        return self._post(transport, Op.SEND, view, dest, tag, 0, schedule, timeout)
+
+    def recv(self, buffer: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG, *,
+             schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
+        """Receive into `buffer` a message from `source` with `tag` (wildcards allowed)."""
+        transport = self._open()
+        view = byte_view(buffer, writable=True, what="recv buffer")
+        source = self._rank(source, "source", wildcard=True)
+        tag = self._tag(tag, transport.tag_max, wildcard=True)
+        return self._post(transport, Op.RECV, view, source, tag, 0, schedule, timeout)
+
+    def put(self, buffer: Any, dest: int, address: int, *,
+            schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
+        """Write `buffer` into `dest`'s exposed memory at `address`."""
+        transport = self._open()
+        view = byte_view(buffer, writable=False, what="put buffer")
+        dest = self._rank(dest, "dest", wildcard=False)
+        address = self._address(address)
+        return self._post(transport, Op.PUT, view, dest, 0, address, schedule, timeout)
+
+    def get(self, buffer: Any, source: int, address: int, *,
+            schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
+        """Read `source`'s exposed memory at `address` into `buffer`."""
+        transport = self._open()
+        view = byte_view(buffer, writable=True, what="get buffer")
+        source = self._rank(source, "source", wildcard=False)
+        address = self._address(address)
+        return self._post(transport, Op.GET, view, source, 0, address, schedule, timeout)
+
+    def expose(self, buffer: Any) -> Region:
+        """Make `buffer` a target of peers' put and get; no collective call."""
+        transport = self._open()
+        region = transport.expose(byte_view(buffer, writable=True, what="exposed buffer"))
+        self._exposed[region] += 1
+        return region
+
+    async def unexpose(self, region: Region) -> None:
+        """Return once no peer operation can touch `region`; later access fails."""
+        transport = self._open()
+        if not isinstance(region, Region) or region not in self._exposed:
+            raise InvalidArgument(f"{region!r} is not a region this world exposed")
+        self._exposed[region] -= 1
+        if self._exposed[region] == 0:
+            del self._exposed[region]
+        await transport.unexpose(region)
+
+    def progress(self) -> None:
+        """Drive progress by hand (mate_progress); a no-op with independent progress."""
+        self._open().progress()
+
+    async def shutdown(self) -> None:
+        """Cancel every outstanding message (no handlers run) and release the transport."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            outstanding = list(self._outstanding)
+        for msg in outstanding:
+            self.advance(msg, Input.SHUTDOWN)
+        await self._dispatcher.close()
+        if self._transport is not None:
+            await self._transport.shutdown()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- argument checks -----------------------------------------------------------
+
+    def _open(self) -> Transport:
+        if self._closed or self._transport is None:
+            raise InvalidArgument("this world has been shut down")
+        return self._transport
+
+    def _rank(self, rank: Any, what: str, *, wildcard: bool) -> int:
+        if isinstance(rank, bool):
+            raise InvalidArgument(f"{what} must be a rank (int), not {rank!r}")
+        try:
+            value: int = operator.index(rank)
+        except TypeError:
+            raise InvalidArgument(f"{what} must be a rank (int), not {rank!r}") from None
+        if wildcard and value == ANY_SOURCE:
+            return value
+        if not 0 <= value < self.numprocs:
+            allowed = "mate.ANY_SOURCE or " if wildcard else ""
+            raise InvalidArgument(
+                f"{what}={value} is not a rank of this world: allowed are {allowed}"
+                f"0..{self.numprocs - 1}" + ("" if wildcard else " (no wildcard here)")
+            )
+        return value
+
+    @staticmethod
+    def _tag(tag: Any, tag_max: int, *, wildcard: bool) -> int:
+        if isinstance(tag, bool):
+            raise InvalidArgument(f"tag must be an int, not {tag!r}")
+        try:
+            value: int = operator.index(tag)
+        except TypeError:
+            raise InvalidArgument(f"tag must be an int, not {tag!r}") from None
+        if wildcard and value == ANY_TAG:
+            return value
+        if not 0 <= value <= tag_max:
+            allowed = "mate.ANY_TAG or " if wildcard else ""
+            raise InvalidArgument(
+                f"tag={value} is out of range: allowed are {allowed}0..{tag_max} (world.tag_max)"
+                + ("" if wildcard else "; a send cannot use a wildcard")
+            )
+        return value
+
+    @staticmethod
+    def _address(address: Any) -> int:
+        if isinstance(address, bool):
+            raise InvalidArgument(f"address must be an int, not {address!r}")
+        try:
+            value: int = operator.index(address)
+        except TypeError:
+            raise InvalidArgument(
+                f"address must be an int (region.address + offset), not {address!r}"
+            ) from None
+        if value < 0:
+            raise InvalidArgument(f"address must be >= 0, not {value}")
+        return value
+
+    def _post(self, transport: Transport, op: Op, view: memoryview, peer: int, tag: int,
+              address: int, schedule: Schedule | None, timeout: Timeout) -> Message:
+        if schedule is None:
+            schedule = _NO_SCHEDULE
+        elif not isinstance(schedule, Schedule):
+            raise InvalidArgument(f"schedule must be a mate.Schedule or None, not {schedule!r}")
+        if timeout is UNSET:
+            seconds = self.default_timeout if schedule.timeout is not None else None
+        elif timeout is None:
+            seconds = None
+        else:
+            seconds = check_seconds(timeout, "timeout")
+        msg = Message(self, op, view, peer, tag, address, schedule)
+        with self._lock:
+            self._outstanding.add(msg)
+        if seconds is not None:
+            msg.deadline = time.monotonic() + seconds
+            self._dispatcher.call_on_loop(self._arm, msg)
+        transport.post(msg)
+        return msg
+
+    # -- timeouts -------------------------------------------------------------------
+
+    def _arm(self, msg: Message) -> None:
+        if not msg.done() and msg.deadline is not None:
+            msg.timer = self._loop.call_later(
+                max(msg.deadline - time.monotonic(), 0.0), self._expire, msg
+            )
+
+    def _expire(self, msg: Message) -> None:
+        msg.timer = None
+        if msg.deadline is not None and time.monotonic() < msg.deadline:
+            self._arm(msg)  # the loop's clock ran ahead of ours: never fire early
+        else:
+            self.advance(msg, Input.TIMEOUT)
+
+    # -- the sink: what the transport reports ------------------------------------------
+
+    def submitted(self, msg: Message) -> None:
+        self.advance(msg, Input.SUBMITTED)
+
+    def completed(self, msg: Message, length: int, peer: int, tag: int) -> None:
+        self.advance(msg, Input.COMPLETED, length, peer, tag)
+
+    def failed(self, msg: Message, reason: FailureReason, detail: str = "", *,
+               cause: BaseException | None = None, length: int = 0,
+               peer: int | None = None, tag: int | None = None) -> None:
+        error = MessageFailed(reason, detail)
+        error.__cause__ = cause
+        self.advance(msg, Input.FAILED, length, peer, tag, error)
+
+    def cancelled(self, msg: Message) -> None:
+        self.advance(msg, Input.CANCELLED)
+
+    def advance(self, msg: Message, inp: Input, length: int | None = None,
+                peer: int | None = None, tag: int | None = None,
+                error: BaseException | None = None) -> None:
+        """Feed `inp` to `msg`'s state machine and carry out what it says."""
+        with self._lock:
+            was_live = not msg.done()
+            step = msg.apply(inp)
+            ended = was_live and step.state.terminal
+            if ended:
+                if length is not None:
+                    msg.length = length
+                if peer is not None:
+                    msg.remote_pid = peer
+                if tag is not None:
+                    msg.remote_tag = tag
+                if step.state is State.TIMED_OUT:
+                    msg.error = MessageTimeout(f"{msg!r} timed out")
+                elif step.state is State.FAILED:
+                    msg.error = error
+                self._outstanding.discard(msg)
+        if step.ask_cancel:
+            assert self._transport is not None
+            self._transport.cancel(msg)
+        for event in step.events:
+            handler, data = msg.schedule.handler_for(event)
+            if handler is not None:
+                self._dispatcher.dispatch(handler, msg.receipt_for(event), data)
+        if ended:
+            self._dispatcher.call_on_loop(self._finish, msg)
+        elif step.events and msg._submitted_future is not None:
+            self._dispatcher.call_on_loop(_wake, msg._submitted_future)
+
+    def _finish(self, msg: Message) -> None:
+        if msg.timer is not None:
+            msg.timer.cancel()
+            msg.timer = None
+        if msg._future is not None:
+            _wake(msg._future)
+        if msg._submitted_future is not None:
+            _wake(msg._submitted_future)
+
+    # -- awaitables ---------------------------------------------------------------------
+
+    def new_future(self, msg: Message) -> asyncio.Future[None]:
+        """A future for a task that awaits `msg`; cancelling it cancels the message."""
+        future = self._loop.create_future()
+        future.add_done_callback(functools.partial(_cancel_if_abandoned, msg))
+        if self._transport is not None and not self._closed:
+            self._transport.awaiting(msg)
+        return future
+
+    def __repr__(self) -> str:
+        name = type(self._transport).__name__ if self._transport else "unattached"
+        state = "shut down" if self._closed else "open"
+        return f"<World {self.mypid}/{self.numprocs} {name} {state}>"
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _cancel_if_abandoned(msg: Message, future: asyncio.Future[None]) -> None:
+    if future.cancelled():
+        msg.cancel()
+

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -22,6 +23,7 @@ import pytest
 import mate
 
 LAUNCHED = os.environ.get("MATE_TEST_TRANSPORT")  # set by a launcher for multi-process runs
+LAUNCH_OPTIONS = json.loads(os.environ.get("MATE_TEST_OPTIONS", "{}"))  # e.g. progress, rma
 LOCAL_SIZES = (2, 3)
 
 
@@ -51,11 +53,12 @@ class Fabric:
             async with mate.local.worlds(self.size, **options) as worlds:
                 yield Group(worlds, self.size)
         else:
-            async with mate.startup(self.transport, **options) as world:
+            async with mate.startup(self.transport, **{**LAUNCH_OPTIONS, **options}) as world:
                 yield Group([world], world.numprocs)
 
     def __repr__(self) -> str:
-        return f"{self.transport}-{self.size}"
+        extra = "".join(f"-{v}" for v in LAUNCH_OPTIONS.values()) if LAUNCHED else ""
+        return f"{self.transport}-{self.size}{extra}"
 
 
 def _fabrics() -> list[Fabric]:

@@ -31,6 +31,10 @@ def byte_view(obj: Any, *, writable: bool, what: str) -> memoryview:
         )
     if view.format == "B" and view.ndim == 1:
         return view
+    if view.nbytes == 0:
+        # cast() refuses shapes with a zero in them, e.g. np.zeros((0, 3)); any empty
+        # byte view of the same writability stands for it (zero length is allowed).
+        return memoryview(b"" if view.readonly else bytearray())
     return view.cast("B")
 
 

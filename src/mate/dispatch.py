@@ -97,7 +97,13 @@ class Dispatcher:
         self.call_on_loop(self._loop.call_exception_handler, context)
 
     async def close(self) -> None:
-        """Start no more handlers; cancel the handler tasks and wait for them."""
+        """Start no more handlers; cancel the handler tasks and wait for them.
+
+        Handlers already queued on the loop belong to events that happened before
+        shutdown (the world ended its outstanding messages without events first):
+        they run now, or awaiters and handlers would disagree on those messages.
+        """
+        await asyncio.sleep(0)  # one loop pass runs every callback queued before it
         self.closed = True
         tasks = list(self._tasks)
         for task in tasks:

@@ -140,10 +140,10 @@ class Message:
 
     __slots__ = (
         "_address",
-        "_future",
         "_pending",
         "_state",
-        "_submitted_future",
+        "_submission_waiters",
+        "_waiters",
         "_world",
         "address",
         "buffer",
@@ -192,8 +192,10 @@ class Message:
         self.timer: asyncio.TimerHandle | None = None
         self.transport_data: Any = None  # the transport's own slot
         self._address: int | None = None
-        self._future: asyncio.Future[None] | None = None
-        self._submitted_future: asyncio.Future[None] | None = None
+        # One future per awaiting task, so that cancelling one task never cancels
+        # another's await (that task gets the outcome; the match may win).
+        self._waiters: list[asyncio.Future[None]] = []
+        self._submission_waiters: list[asyncio.Future[None]] = []
 
     # -- what users read --------------------------------------------------------
 
@@ -256,9 +258,9 @@ class Message:
 
     def __await__(self) -> Generator[Any, None, Receipt]:
         if not self._state.terminal:
-            if self._future is None or self._future.cancelled():
-                self._future = self._world.new_future(self)
-            yield from self._future.__await__()
+            future = self._world.new_future(self)
+            self._waiters.append(future)
+            yield from future.__await__()
         return self.outcome()
 
     def outcome(self) -> Receipt:
@@ -305,9 +307,9 @@ class _Submitted:
     def __await__(self) -> Generator[Any, None, Receipt]:
         msg = self._msg
         if not msg.submitted_seen and not msg.done():
-            if msg._submitted_future is None or msg._submitted_future.cancelled():
-                msg._submitted_future = msg._world.new_future(msg)
-            yield from msg._submitted_future.__await__()
+            future = msg._world.new_future(msg)
+            msg._submission_waiters.append(future)
+            yield from future.__await__()
         if msg.submitted_seen:
             return msg.receipt_for(Event.SUBMISSION)
         return msg.outcome()  # ended without submission: raises its outcome

@@ -22,6 +22,7 @@ import operator
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from mate.buffers import byte_view
@@ -296,17 +297,15 @@ class World:
                 self._dispatcher.dispatch(handler, msg.receipt_for(event), data)
         if ended:
             self._dispatcher.call_on_loop(self._finish, msg)
-        elif step.events and msg._submitted_future is not None:
-            self._dispatcher.call_on_loop(_wake, msg._submitted_future)
+        elif step.events and msg._submission_waiters:
+            self._dispatcher.call_on_loop(_wake_all, msg._submission_waiters)
 
     def _finish(self, msg: Message) -> None:
         if msg.timer is not None:
             msg.timer.cancel()
             msg.timer = None
-        if msg._future is not None:
-            _wake(msg._future)
-        if msg._submitted_future is not None:
-            _wake(msg._submitted_future)
+        _wake_all(msg._waiters)
+        _wake_all(msg._submission_waiters)
 
     # -- awaitables ---------------------------------------------------------------------
 
@@ -324,9 +323,24 @@ class World:
         return f"<World {self.mypid}/{self.numprocs} {name} {state}>"
 
 
+async def open_world(opener: Callable[..., Transport], *, default_timeout: float = 1.0,
+                     handlers: str = "loop", **options: Any) -> World:
+    """Open this process's world on the transport that `opener(sink, loop, ...)` makes."""
+    loop = asyncio.get_running_loop()
+    world = World(loop, default_timeout=default_timeout, handlers=handlers)
+    world.attach(opener(world, loop, handlers=handlers, **options))
+    return world
+
+
 def _wake(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _wake_all(futures: list[asyncio.Future[None]]) -> None:
+    for future in futures:
+        _wake(future)
+    futures.clear()
 
 
 def _cancel_if_abandoned(msg: Message, future: asyncio.Future[None]) -> None:

@@ -17,7 +17,8 @@ from mate.constants import ANY_SOURCE, ANY_TAG, PROC_MAX, UNSET
 from mate.errors import FailureReason, InvalidArgument, MateError, MessageFailed, MessageTimeout
 from mate.message import Message
 from mate.schedule import Event, Op, Receipt, Region, Schedule, State
-from mate.world import World, check_handlers, check_seconds
+from mate.transports.mpi import launched_by_mpiexec
+from mate.world import World, check_handlers, check_seconds, open_world
 
 __version__ = "0.1.0"
 
@@ -44,22 +45,25 @@ __all__ = [
     "startup",
 ]
 
-TRANSPORTS = ("local",)
+TRANSPORTS = ("local", "mpi")
 
 
 def _choose_transport(transport: str | None) -> str:
     if transport is None:
-        transport = os.environ.get("MATE_TRANSPORT") or "local"
+        transport = os.environ.get("MATE_TRANSPORT") or (
+            "mpi" if launched_by_mpiexec() else "local")
     if transport not in TRANSPORTS:
         raise InvalidArgument(f"unknown transport {transport!r}; available: {TRANSPORTS}")
     return transport
 
 
 async def _open(transport: str, options: dict[str, Any]) -> World:
-    from mate.transports.local import open_worlds
+    if transport == "local":
+        (world,) = await local.open_worlds(1, **options)
+        return world
+    from mate.transports.mpi import open_transport
 
-    (world,) = await open_worlds(1, **options)
-    return world
+    return await open_world(open_transport, **options)
 
 
 class startup:

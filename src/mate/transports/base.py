@@ -22,7 +22,8 @@ Rules a transport keeps:
 * `cancel` is a request. If the operation can still be stopped without
   losing data, the transport stops it and reports `cancelled`; if the data
   has already landed it reports `completed` instead. It may answer from
-  inside `cancel` or later.
+  inside `cancel` or later. A send it can neither recall nor abandon safely
+  (MPI still reading the user's buffer) completes instead.
 * Sends from one rank to one destination with one tag match receives in the
   order they were posted (non-overtaking); receives match in posting order.
 * Put and get touch only memory inside a region the target exposed; anything
@@ -70,7 +71,13 @@ class Sink(Protocol):
         """The operation can never complete (`cause` is chained to the error)."""
 
     def cancelled(self, msg: Message) -> None:
-        """A cancel that the core asked for took effect: no data moved."""
+        """A cancel that the core asked for took effect at this end.
+
+        A receive consumed no message. A send or put was stopped or abandoned:
+        a transport that cannot recall data already handed to the wire (MPI)
+        may still deliver it, from an internal copy, never from the user's
+        buffer (SPEC §1: a send that timed out may still have arrived).
+        """
 
 
 class Transport(abc.ABC):

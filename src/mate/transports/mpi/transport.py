@@ -1,0 +1,313 @@
+"""The MPI transport: two-sided messages over mpi4py, and what drives them.
+
+thesis §5.2, improved with MPI-3. The transport works on its own duplicate of
+COMM_WORLD with MPI_ERRORS_RETURN, so that MPI errors become failure events
+with the MPI error chained, never aborts; a second duplicate (`ctl`) carries
+the transport's own control traffic (region tables for native RMA, the
+emulated put/get protocol), so every user tag stays available.
+
+send is `Issend`: its completion means the receiver matched it, which is what
+completion promises. A send up to `eager_size` bytes, or one with an armed
+timeout, is sent from an internal copy and reports submission at once; any
+other send reads the user's buffer until completion (submission = completion).
+The copy is what lets a send be abandoned. MPI_Cancel of a send is
+deprecated in MPI-4, and MPICH's ch4 device never cancels one (and crashed
+here when asked), so the transport does not try: a timed-out or cancelled
+copied send is left to MPI ("orphaned": it may still be delivered, as SPEC §1
+allows) while its message times out or is cancelled; an uncopied send cannot
+be abandoned while MPI may still read the user's buffer, so it completes when
+the receiver matches it.
+
+recv is `Irecv` with the wildcards mapped both ways; a truncated message fails
+with TRUNCATED and the receipt's length is what MPI wrote. A cancelled recv is
+`MPI_Cancel` + test: if the data had already matched, the recv completes.
+
+put and get are in `rma.py`; progress (poll, thread, manual) in `progress.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mpi4py import MPI
+
+from mate.constants import ANY_SOURCE, ANY_TAG
+from mate.errors import FailureReason
+from mate.message import Message
+from mate.schedule import Op, Region
+from mate.transports.base import Sink, Transport
+from mate.transports.mpi.progress import Engine
+
+logger = logging.getLogger("mate")
+
+DEFAULT_EAGER_SIZE = 4096
+
+# Control messages on the ctl communicator: a fixed header, then (eager put) data.
+HEADER = struct.Struct("<BBxxiQQ")  # kind, status, tag, address, length
+CONTROL_TAG = 1  # the standing receive's tag; replies use tags from `new_tag`
+FIRST_PRIVATE_TAG = 16
+CONTROL_EAGER = 1024  # emulated put: data up to this size travels in the request
+
+
+class _Send:
+    """The transport's state for one send."""
+
+    __slots__ = ("copied", "data", "orphaned", "request")
+
+    def __init__(self, request: MPI.Request, data: Any, copied: bool) -> None:
+        self.request = request
+        self.data = data  # keeps the buffer MPI reads alive
+        self.copied = copied
+        self.orphaned = False
+
+
+class MpiTransport(Transport):
+    supports_progress_handlers = True
+
+    def __init__(self, sink: Sink, loop: asyncio.AbstractEventLoop, *, progress: str,
+                 handlers: str, rma: str, eager_size: int, shutdown_timeout: float) -> None:
+        self._sink = sink
+        self.loop = loop
+        self.eager_size = eager_size
+        self.shutdown_timeout = shutdown_timeout
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self.ctl = MPI.COMM_WORLD.Dup()
+        self.ctl.Set_errhandler(MPI.ERRORS_RETURN)
+        self.mypid = self.comm.Get_rank()
+        self.numprocs = self.comm.Get_size()
+        self.tag_max = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
+        self._next_tag = FIRST_PRIVATE_TAG
+        self.engine = Engine(loop, progress)
+        # Thread mode with handlers on the loop: reports go to the loop in batches.
+        self._hop = progress == "thread" and handlers == "loop"
+        self._batch: list[Callable[[], None]] = []
+        self._batch_lock = threading.Lock()
+        from mate.transports.mpi.rma import EmulatedRma, NativeRma
+
+        self.rma = NativeRma(self) if rma == "native" else EmulatedRma(self)
+        self._control_buffer = bytearray(HEADER.size + CONTROL_EAGER)
+        self._post_control_recv()
+        self.engine.start()
+
+    # -- reporting to the core -----------------------------------------------------------
+
+    def report(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Call a sink method from the progress context, hopping to the loop if needed."""
+        if not self._hop:
+            fn(*args, **kwargs)
+            return
+        with self._batch_lock:
+            self._batch.append(lambda: fn(*args, **kwargs))
+            first = len(self._batch) == 1
+        if first and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._run_batch)
+
+    def _run_batch(self) -> None:
+        with self._batch_lock:
+            batch, self._batch = self._batch, []
+        for fn in batch:
+            fn()
+
+    def later(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Report from the next progress pass: never from inside the posting call."""
+        self.engine.call(lambda: self.report(fn, *args, **kwargs))
+
+    def fail_later(self, msg: Message, reason: FailureReason, detail: str,
+                   cause: BaseException | None = None) -> None:
+        self.later(self._sink.failed, msg, reason, detail, cause=cause)
+
+    @property
+    def sink(self) -> Sink:
+        return self._sink
+
+    # -- two-sided -----------------------------------------------------------------------
+
+    def post(self, msg: Message) -> None:
+        op = msg.op
+        if op is Op.SEND:
+            self._post_send(msg)
+        elif op is Op.RECV:
+            self._post_recv(msg)
+        elif op is Op.PUT:
+            self.rma.put(msg)
+        else:
+            self.rma.get(msg)
+
+    def _post_send(self, msg: Message) -> None:
+        buffer = msg.buffer
+        copied = len(buffer) <= self.eager_size or msg.deadline is not None
+        data = bytes(buffer) if copied else buffer
+        try:
+            request = self.comm.Issend(data, msg.peer, msg.tag)
+        except MPI.Exception as exc:
+            self.fail_later(msg, FailureReason.TRANSPORT, f"MPI_Issend: {exc}", exc)
+            return
+        msg.transport_data = _Send(request, data, copied)
+        if copied:
+            self.later(self._sink.submitted, msg)
+        self.engine.add(request, lambda status, error: self._send_done(msg, status, error))
+
+    def _send_done(self, msg: Message, status: MPI.Status, error: MPI.Exception | None) -> None:
+        state: _Send = msg.transport_data
+        if state.orphaned:
+            return
+        if error is not None:
+            self.report(self._sink.failed, msg, FailureReason.TRANSPORT,
+                        f"MPI_Issend: {error}", cause=error)
+        elif status.Is_cancelled():
+            self.report(self._sink.cancelled, msg)
+        else:
+            self.report(self._sink.completed, msg, len(msg.buffer), msg.peer, msg.tag)
+
+    def _post_recv(self, msg: Message) -> None:
+        source = MPI.ANY_SOURCE if msg.peer == ANY_SOURCE else msg.peer
+        tag = MPI.ANY_TAG if msg.tag == ANY_TAG else msg.tag
+        try:
+            request = self.comm.Irecv(msg.buffer, source, tag)
+        except MPI.Exception as exc:
+            self.fail_later(msg, FailureReason.TRANSPORT, f"MPI_Irecv: {exc}", exc)
+            return
+        msg.transport_data = request
+        self.engine.add(request, lambda status, error: self._recv_done(msg, status, error),
+                        receive=True)
+
+    def _recv_done(self, msg: Message, status: MPI.Status, error: MPI.Exception | None) -> None:
+        if status.Is_cancelled():
+            self.report(self._sink.cancelled, msg)
+            return
+        length = status.Get_count(MPI.BYTE)
+        source, tag = status.Get_source(), status.Get_tag()
+        if error is None:
+            self.report(self._sink.completed, msg, length, source, tag)
+        elif MPI.Get_error_class(status.Get_error()) == MPI.ERR_TRUNCATE:
+            self.report(self._sink.failed, msg, FailureReason.TRUNCATED,
+                        f"a message from rank {source} with tag {tag} did not fit in "
+                        f"{len(msg.buffer)} bytes", cause=error, length=length,
+                        peer=source, tag=tag)
+        else:
+            self.report(self._sink.failed, msg, FailureReason.TRANSPORT,
+                        f"MPI_Irecv: {error}", cause=error)
+
+    def cancel(self, msg: Message) -> None:
+        self.engine.call(self._cancel, msg)
+
+    def _cancel(self, msg: Message) -> None:
+        if msg.op is Op.RECV:
+            if isinstance(msg.transport_data, MPI.Request):
+                msg.transport_data.Cancel()  # the recv then completes: cancelled, or matched
+        elif msg.op is Op.SEND:
+            # MPI_Cancel is not called on sends: MPICH's ch4 device cannot cancel
+            # them and crashed when asked (see the module's docstring). A copied send
+            # that is not complete after one more pass is orphaned; an uncopied one
+            # completes when the receiver matches it.
+            if isinstance(msg.transport_data, _Send) and msg.transport_data.copied:
+                self.engine.after_pass(lambda: self._orphan(msg))
+        else:
+            self.rma.cancel(msg)
+
+    def _orphan(self, msg: Message) -> None:
+        """A copied send still unmatched: leave it to MPI, end the message now."""
+        state: _Send = msg.transport_data
+        if state.request != MPI.REQUEST_NULL and not state.orphaned:
+            state.orphaned = True
+            self.engine.disown(state.request)
+            self.report(self._sink.cancelled, msg)
+
+    # -- control channel -------------------------------------------------------------------
+
+    def new_tag(self) -> int:
+        """A private tag on `ctl` for messages this rank will receive (wraps around)."""
+        tag = self._next_tag
+        self._next_tag = tag + 1 if tag < self.tag_max else FIRST_PRIVATE_TAG
+        return tag
+
+    def control_send(self, dest: int, data: Any, tag: int = CONTROL_TAG) -> None:
+        """Send a control message; the engine keeps `data` alive until it is sent."""
+        request = self.ctl.Isend(data, dest, tag)
+        self.engine.add(request, lambda status, error: None, standing=True)
+
+    def control_recv(self, buffer: Any, source: int, tag: int,
+                     action: Callable[[MPI.Status, MPI.Exception | None], None], *,
+                     standing: bool = True) -> MPI.Request:
+        """Receive a control message; `standing=False` when a user message waits on it."""
+        request = self.ctl.Irecv(buffer, source, tag)
+        self.engine.add(request, action, standing=standing, receive=True)
+        return request
+
+    def _post_control_recv(self) -> None:
+        self.control_recv(self._control_buffer, MPI.ANY_SOURCE, CONTROL_TAG, self._on_control)
+
+    def _on_control(self, status: MPI.Status, error: MPI.Exception | None) -> None:
+        if status.Is_cancelled():
+            return  # shutting down
+        data = bytes(self._control_buffer[: status.Get_count(MPI.BYTE)])
+        self._post_control_recv()
+        if error is None:
+            kind, flag, tag, address, length = HEADER.unpack_from(data)
+            self.rma.on_control(status.Get_source(), kind, flag, tag, address, length,
+                                memoryview(data)[HEADER.size:])
+        else:
+            logger.error("mate: MPI error on the control channel: %s", error)
+
+    # -- the rest of the interface -------------------------------------------------------
+
+    def expose(self, buffer: memoryview) -> Region:
+        return self.rma.expose(buffer)
+
+    async def unexpose(self, region: Region) -> None:
+        await self.rma.unexpose(region)
+
+    def progress(self) -> None:
+        if self.engine.mode != "thread":
+            self.engine.test()
+
+    def awaiting(self, msg: Message) -> None:
+        self.engine.drive_until(msg.done)
+
+    async def shutdown(self) -> None:
+        """Cancel what is left, meet the peers (bounded wait), and free the MPI objects.
+
+        Freeing the window is collective, so it needs every rank. The ranks meet
+        twice, each time with a non-blocking barrier and at most `shutdown_timeout`
+        of waiting, serving peers' control requests meanwhile: first to say "I am
+        shutting down", then "I met everyone and will free". A rank that gave up
+        on the first meeting never joins the second, so no rank frees a window
+        that a rank gone away will not free; the objects are then left to
+        MPI_Finalize and a warning is logged. Nothing waits on a stopped peer.
+        """
+        self.engine.call(self._cancel_everything)
+        met = await self._meet() and await self._meet()
+        self.engine.stop()
+        if met:
+            self.engine.cancel_receives(standing=True)  # orphaned sends stay with MPI
+            self.engine.drain(time.monotonic() + 0.2)
+            self.rma.free()
+            self.comm.Free()
+            self.ctl.Free()
+        else:
+            logger.warning("mate: not every rank reached shutdown within %.1f s; "
+                           "MPI objects are left to MPI_Finalize", self.shutdown_timeout)
+        self._run_batch()
+
+    async def _meet(self) -> bool:
+        """A barrier of all ranks, given up after `shutdown_timeout`."""
+        barrier = self.ctl.Ibarrier()  # a collective request cannot be cancelled: if
+        deadline = time.monotonic() + self.shutdown_timeout  # given up, MPI keeps it
+        while time.monotonic() < deadline:
+            if self.engine.mode != "thread":
+                self.engine.test()
+            if barrier.Test():
+                return True
+            await asyncio.sleep(0.0005)
+        return False
+
+    def _cancel_everything(self) -> None:
+        self.rma.cancel_all()
+        self.engine.cancel_receives(standing=False)

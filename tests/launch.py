@@ -1,0 +1,42 @@
+"""Run a test module on N real processes under mpiexec, and report every rank.
+
+`run_under_mpiexec(module, n, options)` starts ``mpiexec -n N python -m pytest
+MODULE`` with the transport and its options in the environment (see
+conftest.py); each rank runs the same tests against its own world. The result
+holds every rank's output, so that a failure on any rank is shown whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mate.run import find_mpiexec
+
+TESTS = Path(__file__).parent
+
+
+def run_under_mpiexec(module: str, nranks: int, options: dict[str, object],
+                      *, timeout: float = 600, extra: tuple[str, ...] = ()) -> None:
+    env = dict(os.environ, MATE_TEST_TRANSPORT="mpi", MATE_TEST_SIZE=str(nranks),
+               MATE_TEST_OPTIONS=json.dumps(options), PYTHONUNBUFFERED="1")
+    command = [find_mpiexec(), "-n", str(nranks), "-l", sys.executable, "-m", "pytest",
+               str(TESTS / module), "-q", "-p", "no:cacheprovider", "-x", *extra]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True,
+                              timeout=timeout, cwd=TESTS.parent)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{module} on {nranks} ranks {options} hung for {timeout} s:\n"
+                    f"{exc.stdout}\n{exc.stderr}")
+    if done.returncode != 0:
+        pytest.fail(f"{module} on {nranks} ranks {options} failed "
+                    f"(exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+    # Ranks' lines can interleave on one line: count the summaries, not the lines.
+    summaries = re.findall(r"\b\d+ passed\b", done.stdout)
+    assert len(summaries) == nranks, f"expected a pytest summary per rank:\n{done.stdout}"

@@ -1,0 +1,173 @@
+"""MPI-specific behaviour, run on real ranks by tests/test_mpi.py (skipped elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from conftest import LAUNCHED, Fabric, barrier
+
+import mate
+
+pytestmark = pytest.mark.skipif(LAUNCHED != "mpi", reason="runs under mpiexec (test_mpi.py)")
+
+EAGER = 1024
+
+
+async def test_send_completes_only_after_the_receiver_matched(fabric: Fabric) -> None:
+    async def program(world: mate.World) -> None:
+        for size in (EAGER, EAGER + 1):  # an eager send and one sent from the user's buffer
+            if world.mypid == 0:
+                msg = world.send(bytes(size), 1, tag=1)
+                await asyncio.sleep(0.2)
+                assert not msg.done()
+                # Within eager_size the data was copied: submitted, but not completed.
+                expected = mate.State.SUBMITTED if size <= EAGER else mate.State.POSTED
+                assert msg.state is expected
+                await world.send(b"go", 1, tag=2)
+                receipt = await msg
+                assert receipt.length == size
+            elif world.mypid == 1:
+                await world.recv(bytearray(2), 0, tag=2)
+                buf = bytearray(size)
+                receipt = await world.recv(buf, 0, tag=1)
+                assert receipt.length == size
+            await barrier(world)
+
+    async with fabric.open(eager_size=EAGER) as group:
+        await group.run(program)
+
+
+async def test_many_outstanding_puts_all_land(fabric: Fabric) -> None:
+    count, chunk = 500, 1024
+
+    async def program(world: mate.World) -> None:
+        if world.mypid == 1:
+            memory = bytearray(count * chunk)
+            region = world.expose(memory)
+            await world.send(region.address.to_bytes(8, "little"), 0, tag=3)
+            await world.recv(bytearray(1), 0, tag=4)
+            for i in range(count):
+                assert memory[i * chunk:(i + 1) * chunk] == bytes([i % 251]) * chunk, i
+            await world.unexpose(region)
+        elif world.mypid == 0:
+            raw = bytearray(8)
+            await world.recv(raw, 1, tag=3)
+            base = int.from_bytes(raw, "little")
+            order: list[tuple[int, str]] = []
+            schedule = mate.Schedule(
+                submission=lambda r, i: order.append((i, "s")),
+                completion=lambda r, i: order.append((i, "c")))
+            puts = []
+            for i in range(count):
+                data = bytes([i % 251]) * chunk
+                sched = mate.Schedule(submission=schedule.submission, submission_data=i,
+                                      completion=schedule.completion, completion_data=i)
+                puts.append(world.put(data, 1, base + i * chunk, schedule=sched))
+            receipts = await asyncio.gather(*puts)
+            assert all(r.event is mate.Event.COMPLETION for r in receipts)
+            await asyncio.sleep(0.05)  # let the last handlers run
+            seen: dict[int, list[str]] = {}
+            for i, what in order:
+                seen.setdefault(i, []).append(what)
+            assert all(seen[i] == ["s", "c"] for i in range(count))
+            await world.send(b"!", 1, tag=4)
+        await barrier(world)
+
+    async with fabric.open() as group:
+        await group.run(program)
+
+
+async def test_mpi_errors_become_failure_events(fabric: Fabric) -> None:
+    from mpi4py import MPI
+
+    async def program(world: mate.World) -> None:
+        if world.mypid == 0:
+            await world.send(bytes(100), 1, tag=5)
+        elif world.mypid == 1:
+            msg = world.recv(bytearray(10), 0, tag=5)
+            with pytest.raises(mate.MessageFailed) as info:
+                await msg
+            assert info.value.reason is mate.FailureReason.TRUNCATED
+            assert isinstance(info.value.__cause__, MPI.Exception)
+            assert msg.receipt.length == 10 and msg.receipt.remote_pid == 0
+            # An MPI call that fails (an invalid rank slipped past the checks) is a
+            # failure event with the MPI error chained, not an exception or an abort.
+            from mate.message import Message
+            from mate.schedule import Op, Schedule
+
+            bad = Message(world, Op.SEND, memoryview(b"x"), world.numprocs + 5, 0, 0,
+                          Schedule())
+            world._outstanding.add(bad)
+            world._transport.post(bad)  # type: ignore[union-attr]
+            with pytest.raises(mate.MessageFailed) as info:
+                await bad
+            assert info.value.reason is mate.FailureReason.TRANSPORT
+            assert isinstance(info.value.__cause__, MPI.Exception)
+        await barrier(world)
+
+    async with fabric.open() as group:
+        await group.run(program)
+
+
+async def test_progress_handlers_answer_while_the_loop_computes(fabric: Fabric) -> None:
+    if fabric.size < 2:
+        pytest.skip("needs two ranks")
+
+    async def program(world: mate.World) -> None:
+        if world.mypid == 1:
+            request = bytearray(8)
+            answered = []
+
+            def answer(receipt: mate.Receipt, data: None) -> None:
+                world.send(bytes(request), 0, tag=7)
+                answered.append(time.monotonic())
+                if len(answered) < 5:
+                    world.recv(request, 0, tag=6, schedule=server)
+
+            server = mate.Schedule(completion=answer)
+            world.recv(request, 0, tag=6, schedule=server)
+            await world.send(b"ready", 0, tag=8)
+            busy_until = time.monotonic() + 1.5
+            while time.monotonic() < busy_until:  # the loop's thread computes, never yields
+                sum(range(1000))
+            assert len(answered) == 5, "requests were not answered while the loop was busy"
+        elif world.mypid == 0:
+            await world.recv(bytearray(5), 1, tag=8)
+            latencies = []
+            for i in range(5):
+                reply = bytearray(8)
+                r = world.recv(reply, 1, tag=7)
+                start = time.monotonic()
+                world.send(i.to_bytes(8, "little"), 1, tag=6)
+                await r
+                latencies.append(time.monotonic() - start)
+                assert int.from_bytes(reply, "little") == i
+            assert max(latencies) < 0.5, latencies
+        await barrier(world)
+
+    async with fabric.open(progress="thread", handlers="progress") as group:
+        await group.run(program)
+
+
+async def test_shutdown_does_not_wait_for_a_peer_that_went_away(fabric: Fabric) -> None:
+    # Rank 1 leaves at once and gives up meeting the others after 0.3 s; the others
+    # shut down much later, with messages to and from rank 1 still outstanding.
+    async def program(world: mate.World) -> None:
+        if world.mypid == 1:
+            start = time.monotonic()
+            await world.shutdown()
+            assert time.monotonic() - start < 2.0
+            return
+        recv = world.recv(bytearray(8), 1, tag=20)
+        send = world.send(bytes(100_000), 1, tag=21)
+        await asyncio.sleep(1.0)
+        start = time.monotonic()
+        await world.shutdown()
+        assert time.monotonic() - start < 2.0
+        for msg in (recv, send):
+            assert msg.state is mate.State.CANCELLED
+
+    async with fabric.open(shutdown_timeout=0.3) as group:
+        await group.run(program)

@@ -7,7 +7,8 @@ completes, and one `test()` pass runs `MPI_Testsome` over them all. Who calls
 
 * ``poll``: a callback on the event loop, rescheduled with `call_soon` while
   user messages are outstanding (lowest latency); after `SPIN` seconds without
-  progress it backs off to timers of growing delay (up to `MAX_BACKOFF`), and
+  progress it backs off to timers of growing delay (up to `MAX_BACKOFF`, and
+  `LONG_IDLE_BACKOFF` once nothing moved for `LONG_IDLE`), and
   with only the transport's own standing receives left it polls every
   `IDLE_INTERVAL`, so that an idle rank does not spin but still serves peers'
   one-sided requests.
@@ -50,7 +51,9 @@ class _Entry:
 MODES = ("poll", "thread", "manual")
 SPIN = 0.002  # seconds of busy polling after the last progress
 SLICE = 50e-6  # longest busy poll inside one loop callback
-MAX_BACKOFF = 0.001  # longest pause between passes while user messages are outstanding
+MAX_BACKOFF = 0.001  # longest pause between passes while user messages are outstanding,
+LONG_IDLE = 0.05  # ... until this long without progress,
+LONG_IDLE_BACKOFF = 0.004  # ... when waiting gets cheaper still (a message waited on for long)
 IDLE_INTERVAL = 0.005  # pause between passes when only standing receives are outstanding
 
 
@@ -199,9 +202,11 @@ class Engine:
             self._schedule(IDLE_INTERVAL)
 
     def _pause(self) -> float:
-        if time.monotonic() - self._last_progress < SPIN:
+        idle = time.monotonic() - self._last_progress
+        if idle < SPIN:
             return 0.0
-        self._backoff = min(MAX_BACKOFF, max(self._backoff * 2, 50e-6))
+        cap = MAX_BACKOFF if idle < LONG_IDLE else LONG_IDLE_BACKOFF
+        self._backoff = min(cap, max(self._backoff * 2, 50e-6))
         return self._backoff
 
     def start(self) -> None:

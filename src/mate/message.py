@@ -194,8 +194,8 @@ class Message:
         self._address: int | None = None
         # One future per awaiting task, so that cancelling one task never cancels
         # another's await (that task gets the outcome; the match may win).
-        self._waiters: list[asyncio.Future[None]] = []
-        self._submission_waiters: list[asyncio.Future[None]] = []
+        self._waiters: list[asyncio.Future[None]] | None = None  # made by the first await
+        self._submission_waiters: list[asyncio.Future[None]] | None = None
 
     # -- what users read --------------------------------------------------------
 
@@ -259,6 +259,8 @@ class Message:
     def __await__(self) -> Generator[Any, None, Receipt]:
         if not self._state.terminal:
             future = self._world.new_future(self)
+            if self._waiters is None:
+                self._waiters = []
             self._waiters.append(future)
             yield from future.__await__()
         return self.outcome()
@@ -308,6 +310,8 @@ class _Submitted:
         msg = self._msg
         if not msg.submitted_seen and not msg.done():
             future = msg._world.new_future(msg)
+            if msg._submission_waiters is None:
+                msg._submission_waiters = []
             msg._submission_waiters.append(future)
             yield from future.__await__()
         if msg.submitted_seen:

@@ -304,8 +304,10 @@ class World:
         if msg.timer is not None:
             msg.timer.cancel()
             msg.timer = None
-        _wake_all(msg._waiters)
-        _wake_all(msg._submission_waiters)
+        if msg._waiters:
+            _wake_all(msg._waiters)
+        if msg._submission_waiters:
+            _wake_all(msg._submission_waiters)
 
     # -- awaitables ---------------------------------------------------------------------
 

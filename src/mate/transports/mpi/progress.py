@@ -11,7 +11,8 @@ completes, and one `test()` pass runs `MPI_Testsome` over them all. Who calls
   `LONG_IDLE_BACKOFF` once nothing moved for `LONG_IDLE`), and
   with only the transport's own standing receives left it polls every
   `IDLE_INTERVAL`, so that an idle rank does not spin but still serves peers'
-  one-sided requests.
+  one-sided requests. A rank whose exposed memory peers use through native RMA
+  is *hot* and never backs off (see `hot`).
 * ``thread``: a progress thread (MPI_THREAD_MULTIPLE) runs the passes, with the
   same backoff done by sleeping, and sleeps on a condition when nothing at all
   is outstanding. Actions run in that thread.
@@ -75,6 +76,9 @@ class Engine:
         self._scheduled: asyncio.Handle | None = None
         self._scheduled_when = 0.0
         self._drivers: list[Callable[[], bool]] = []  # manual mode: awaited messages' done()
+        # True while peers may be doing passive-target RMA on this rank: MPICH moves
+        # those operations only inside this rank's MPI calls, so it must not back off.
+        self.hot: Callable[[], bool] = lambda: False
         self._thread: threading.Thread | None = None
         if mode == "thread":
             self._thread = threading.Thread(target=self._run_thread, name="mate-mpi-progress",
@@ -196,14 +200,14 @@ class Engine:
             self._drivers = [d for d in self._drivers if not d()]
             if self._drivers:
                 self._schedule(self._pause())
-        elif self.user_outstanding or self._inbox:
+        elif self.user_outstanding or self._inbox or self.hot():
             self._schedule(self._pause())
         elif self._requests:
             self._schedule(IDLE_INTERVAL)
 
     def _pause(self) -> float:
         idle = time.monotonic() - self._last_progress
-        if idle < SPIN:
+        if idle < SPIN or self.hot():
             return 0.0
         cap = MAX_BACKOFF if idle < LONG_IDLE else LONG_IDLE_BACKOFF
         self._backoff = min(cap, max(self._backoff * 2, 50e-6))
@@ -234,7 +238,7 @@ class Engine:
             self.test()
             if self._inbox:
                 continue
-            pause = self._pause() if self.user_outstanding else IDLE_INTERVAL
+            pause = self._pause() if self.user_outstanding or self.hot() else IDLE_INTERVAL
             if pause:
                 with self._lock:
                     if not self._inbox and not self._stopping:

@@ -138,6 +138,10 @@ class NativeRma(_Rma):
         self.waiting: dict[int, list[Message]] = {}  # ops waiting for a peer's table
         self.to_flush: dict[int, list[Message]] = {}  # puts locally complete, not yet flushed
         self.acks: dict[int, tuple[set[int], asyncio.Future[None]]] = {}
+        self.issued = 0  # Rput/Rget requests not yet complete
+        # MPICH moves an RMA operation along only inside MPI calls, at the origin
+        # and at the target (passive target): neither may back off meanwhile.
+        transport.engine.hot = lambda: bool(self.issued or (self.readers and self.regions.entries))
 
     # -- origin side ---------------------------------------------------------------------
 
@@ -167,9 +171,11 @@ class NativeRma(_Rma):
                           f"MPI_R{msg.op.value}: {exc}", cause=exc)
             return
         msg.transport_data = request
+        self.issued += 1
         self.t.engine.add(request, lambda status, error: self.local_done(msg, error))
 
     def local_done(self, msg: Message, error: MPI.Exception | None) -> None:
+        self.issued -= 1
         sink = self.t.sink
         if error is not None:
             self.t.report(sink.failed, msg, FailureReason.TRANSPORT,

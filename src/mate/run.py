@@ -5,7 +5,8 @@
 For the mpi transport this runs the `mpiexec` of the environment mate is
 installed in (the one the `mpich` wheel provides, beside this Python), else the
 first `mpiexec` on PATH, with MATE_TRANSPORT=mpi. A PROGRAM of ``python`` or
-``python3`` means this interpreter, so that the ranks see the same packages.
+``python3`` means this interpreter, and a command installed beside it (such as
+``mate-bench``) is taken from there, so that the ranks see the same packages.
 Across hosts, call mpiexec yourself with a hostfile.
 """
 
@@ -35,6 +36,8 @@ def command(nranks: int, program: list[str]) -> list[str]:
     """The mpiexec command line that starts `nranks` copies of `program`."""
     if program[0] in ("python", "python3"):
         program = [sys.executable, *program[1:]]
+    elif "/" not in program[0] and (Path(sys.executable).parent / program[0]).exists():
+        program = [str(Path(sys.executable).parent / program[0]), *program[1:]]  # mate-bench
     return [find_mpiexec(), "-n", str(nranks), *program]
 
 

@@ -1,0 +1,240 @@
+"""Run the standard benchmark set and summarise it (SPEC §5, §7).
+
+    python bench/run_standard.py [--sizes 1:4M] [--min-time 0.02] [--repetitions 5]
+                                 [--only SUBSTRING] [--out bench/results]
+
+Every run is `mate-bench ... --transport mpi --baseline --json --plot` in a
+subprocess (it starts its own two ranks with mpiexec):
+
+* pingpong and pingping, progress poll and thread (send patterns do not
+  depend on --rma, so they run once per progress mode);
+* put and get, progress poll and thread, rma native and emulated;
+* wait (a rank waiting 1 s for a message: its CPU %), progress poll and thread;
+* the asyncio TCP streams ping-pong on 127.0.0.1 (`python -m mate.bench.tcp`),
+  the future peer baseline for the ibverbs soft device.
+
+Each run leaves `<out>/<name>.json`, `.png` and `.txt` (the table); the
+summary table goes to stdout and `<out>/SUMMARY.md`, with SPEC §7's targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+LATENCY_SIZE = 8
+BANDWIDTH_SIZE = 4 * 1024 * 1024
+RUN_TIMEOUT = 1800  # seconds for one run
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    command: list[str]  # after the interpreter
+
+
+def standard_runs(common: list[str]) -> list[Run]:
+    runs = []
+    for pattern in ("pingpong", "pingping"):
+        for progress in ("poll", "thread"):
+            runs.append(Run(f"{pattern}-{progress}",
+                            ["-m", "mate.bench", pattern, "--transport", "mpi",
+                             "--progress", progress, "--baseline", *common]))
+    for pattern in ("put", "get"):
+        for progress in ("poll", "thread"):
+            for rma in ("native", "emulated"):
+                runs.append(Run(f"{pattern}-{progress}-{rma}",
+                                ["-m", "mate.bench", pattern, "--transport", "mpi",
+                                 "--progress", progress, "--rma", rma, "--baseline",
+                                 *common]))
+    for progress in ("poll", "thread"):
+        runs.append(Run(f"wait-{progress}",
+                        ["-m", "mate.bench", "wait", "--transport", "mpi", "--progress",
+                         progress, "--baseline", "--repetitions", "3"]))
+    runs.append(Run("pingpong-tcp-loopback", ["-m", "mate.bench.tcp", *common]))
+    return runs
+
+
+# -- the summary ------------------------------------------------------------------------------
+
+
+def _row(result: dict[str, Any], size: int) -> dict[str, Any] | None:
+    for row in result["rows"]:
+        if row["size"] == size:
+            return dict(row)
+    return None
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _size(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in (("M", 1 << 20), ("K", 1 << 10)):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}iB"
+    return f"{value:.0f} B"
+
+
+def summary_line(name: str, result: dict[str, Any]) -> str:
+    setting = result["transport"]
+    if result.get("progress"):
+        setting += f"/{result['progress']}"
+    if result["pattern"] in ("put", "get") and result.get("rma"):
+        setting += f"/{result['rma']}"
+    s = result["summary"]
+    if result["pattern"] == "wait":
+        row = result["rows"][0]
+        return (f"| {name} | {setting} | wait {row['latency_us'] / 1e6:.2f} s | "
+                f"{_f(row.get('baseline_latency_us') and row['baseline_latency_us'] / 1e6, 2)}"
+                f" s | | | | | | | | {_f(row['cpu_percent'])} | "
+                f"{_f(row.get('baseline_cpu_percent'))} |")
+    lat = _row(result, LATENCY_SIZE) or {}
+    bw = _row(result, BANDWIDTH_SIZE) or {}
+    lat_m, lat_r = lat.get("latency_us"), lat.get("baseline_latency_us")
+    bw_m, bw_r = bw.get("bandwidth_MBps"), bw.get("baseline_bandwidth_MBps")
+    half_m, half_r = s["n_half"], s["baseline_n_half"]
+    return (f"| {name} | {setting} | {_f(lat_m)} | {_f(lat_r)} | {_f(_ratio(lat_m, lat_r), 2)} "
+            f"| {_f(bw_m, 0)} | {_f(bw_r, 0)} | {_f(_ratio(bw_m, bw_r), 2)} "
+            f"| {_size(half_m)} | {_size(half_r)} | {_f(_ratio(half_m, half_r), 2)} "
+            f"| {_f(lat.get('cpu_percent'))} | {_f(lat.get('baseline_cpu_percent'))} |")
+
+
+HEADER = (
+    "| run | transport/progress/rma | 8 B latency µs MATE | raw | MATE/raw "
+    "| 4 MiB MB/s MATE | raw | MATE/raw | n½ MATE | n½ raw | MATE/raw "
+    "| CPU % MATE (8 B; wait: over the wait) | CPU % raw |\n"
+    "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
+)
+
+
+def _check(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "NOT met")
+
+
+def targets(results: dict[str, dict[str, Any]]) -> list[str]:
+    """SPEC §7's targets, checked against this run's results."""
+    lines = []
+    pp = results.get("pingpong-poll")
+    if pp:
+        lat = _row(pp, LATENCY_SIZE) or {}
+        bw = _row(pp, BANDWIDTH_SIZE) or {}
+        r_lat = _ratio(lat.get("latency_us"), lat.get("baseline_latency_us"))
+        r_bw = _ratio(bw.get("bandwidth_MBps"), bw.get("baseline_bandwidth_MBps"))
+        s = pp["summary"]
+        r_half = _ratio(s["n_half"], s["baseline_n_half"])
+        lines += [
+            f"- mpi poll, 8 B pingpong latency ≤ 2x raw `Ssend`/`Recv`: "
+            f"{_f(r_lat, 2)}x → {_check(None if r_lat is None else r_lat <= 2)}",
+            f"- mpi poll, 4 MiB pingpong bandwidth ≥ 0.95x raw: {_f(r_bw, 2)}x → "
+            f"{_check(None if r_bw is None else r_bw >= 0.95)}",
+            f"- mpi poll, pingpong n½ ≤ 1.25x raw: {_f(r_half, 2)}x "
+            f"({_size(s['n_half'])} vs {_size(s['baseline_n_half'])}) → "
+            f"{_check(None if r_half is None else r_half <= 1.25)}",
+        ]
+    wt = results.get("wait-thread")
+    if wt:
+        cpu = wt["rows"][0]["cpu_percent"]
+        lines.append(f"- mpi thread, a rank waiting 1 s for a message uses ≤ 5 % of a core: "
+                     f"{_f(cpu)} % → {_check(cpu <= 5)}")
+    tcp = results.get("pingpong-tcp-loopback")
+    if tcp:
+        tcp_lat = (_row(tcp, LATENCY_SIZE) or {}).get("latency_us")
+        lines.append(f"- ibverbs soft device, 8 B pingpong ≤ asyncio TCP on loopback: n/a (no "
+                     f"ibverbs transport yet); the TCP figure of this run is {_f(tcp_lat)} µs")
+    return lines
+
+
+def write_summary(out: Path, results: dict[str, dict[str, Any]], settings: str,
+                  elapsed: float, failures: list[str]) -> str:
+    any_result = next(iter(results.values()), {})
+    lines = [
+        "# mate-bench standard set",
+        "",
+        f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, "
+        f"host `{socket.gethostname()}` ({platform.platform()}), "
+        f"Python {platform.python_version()}, "
+        f"{any_result.get('mpi_library', 'MPI library unknown')}; {settings}; "
+        f"the whole set took {elapsed:.0f} s.",
+        "",
+        "Latency: pingpong = half the round trip; pingping = time per exchange; put/get = "
+        "time per operation to completion. Bandwidth = size / latency (MB = 10⁶ B). "
+        "Median of repetitions; MATE and raw mpi4py interleaved per size in the same run. "
+        "CPU % = getrusage user+sys over wall time on rank 0 (all threads).",
+        "",
+        HEADER,
+    ]
+    lines += [summary_line(name, result) for name, result in results.items()]
+    lines += ["", "## SPEC §7 targets", "", *targets(results)]
+    if failures:
+        lines += ["", "## Runs that failed", "", *[f"- {f}" for f in failures]]
+    text = "\n".join(lines) + "\n"
+    (out / "SUMMARY.md").write_text(text)
+    return text
+
+
+# -- running --------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1:4M")
+    parser.add_argument("--min-time", default="0.02")
+    parser.add_argument("--repetitions", default="5")
+    parser.add_argument("--only", default="", help="run only runs whose name contains this")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    common = ["--sizes", args.sizes, "--min-time", args.min_time,
+              "--repetitions", args.repetitions]
+    settings = (f"sizes {args.sizes}, min-time {args.min_time} s, "
+                f"{args.repetitions} repetitions (wait: 3)")
+    results: dict[str, dict[str, Any]] = {}
+    failures: list[str] = []
+    start = time.monotonic()
+    for run in standard_runs(common):
+        if args.only not in run.name:
+            continue
+        json_path, png_path = args.out / f"{run.name}.json", args.out / f"{run.name}.png"
+        command = [sys.executable, *run.command, "--json", str(json_path),
+                   "--plot", str(png_path)]
+        print(f"== {run.name}: {' '.join(run.command[1:])}", flush=True)
+        t0 = time.monotonic()
+        try:
+            done = subprocess.run(command, stdout=subprocess.PIPE, text=True,
+                                  timeout=RUN_TIMEOUT, check=False)
+        except subprocess.TimeoutExpired:
+            failures.append(f"{run.name}: timed out after {RUN_TIMEOUT} s")
+            print(f"   timed out after {RUN_TIMEOUT} s", flush=True)
+            continue
+        print(done.stdout, end="", flush=True)
+        print(f"   ({time.monotonic() - t0:.0f} s)", flush=True)
+        if done.returncode != 0:
+            failures.append(f"{run.name}: exit code {done.returncode}")
+            continue
+        (args.out / f"{run.name}.txt").write_text(done.stdout)
+        results[run.name] = json.loads(json_path.read_text())
+    text = write_summary(args.out, results, settings, time.monotonic() - start, failures)
+    print()
+    print(text, end="")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""mate-bench: ping tests of mate against raw MPI (SPEC §5, thesis §6.2).
+
+    mate-bench pingpong --transport mpi --baseline --json pp.json --plot pp.png
+    mate-bench put --transport mpi --progress thread --rma emulated --sizes 8,4K,1M
+    mate-bench wait --transport mpi --progress thread --baseline
+    mate-bench pingpong --transport local --sizes 1:64K
+
+Started outside a launcher with ``--transport mpi`` it starts its own two
+ranks (``mpiexec -n 2``); under mpiexec (or mate-run) it is one of them. Only
+rank 0 prints and writes files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from mate.bench import stats
+from mate.bench.driver import BenchError, Options, run
+from mate.bench.patterns import PATTERNS, SUBMISSION_PATTERNS
+from mate.bench.report import Result, format_table, write_plot
+
+DEFAULT_SIZES = "1:4M"
+DEFAULT_MIN_TIME = 0.05
+DEFAULT_REPETITIONS = 5
+PROGRESS_ENV = "MATE_BENCH_PROGRESS"  # "1"/"0": show the progress bar (set for the ranks)
+
+PATTERN_HELP = """\
+patterns:
+  pingpong  rank 0 sends, rank 1 answers; latency = half the round trip
+  pingping  both ranks send and receive at once; latency = time per exchange
+  put       rank 0 writes into memory rank 1 exposed (one-sided push)
+  get       rank 0 reads memory rank 1 exposed (one-sided pull)
+  wait      rank 0 waits --idle s (default 1) for one message: its CPU %% is the figure
+
+figures per size: median over --repetitions of the time per operation (µs),
+bandwidth = size / latency (MB/s, MB = 10^6 bytes), CPU %% = getrusage user+sys
+over wall time on rank 0 (all its threads); summary: peak bandwidth and n1/2.
+"""
+
+
+def sizes_argument(text: str) -> list[int]:
+    try:
+        return stats.parse_sizes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
+    return value
+
+
+def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared with the other benchmark entry points (mate.bench.tcp)."""
+    parser.add_argument("--sizes", type=sizes_argument, default=DEFAULT_SIZES,
+                        metavar="SIZES",
+                        help=f"powers of two LO:HI or a comma list, K/M binary "
+                             f"(default {DEFAULT_SIZES}; e.g. 8,4096,1M; 0 allowed in a list)")
+    parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS,
+                        metavar="N", help=f"repetitions per size, median reported "
+                                          f"(default {DEFAULT_REPETITIONS})")
+    parser.add_argument("--min-time", type=seconds, default=DEFAULT_MIN_TIME, metavar="S",
+                        help="grow the iteration count until one repetition takes at least "
+                             f"S seconds (default {DEFAULT_MIN_TIME})")
+    parser.add_argument("--json", metavar="F", help="write the result as JSON (SPEC §5)")
+    parser.add_argument("--plot", metavar="F.png",
+                        help="plot latency and bandwidth against size (log-log)")
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mate-bench", description=__doc__.splitlines()[0],
+        epilog=PATTERN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("pattern", choices=PATTERNS)
+    parser.add_argument("--transport", choices=("local", "mpi"),
+                        help="default: mpi when started by mpiexec, else local")
+    parser.add_argument("--progress", choices=("poll", "thread", "manual"),
+                        help="mpi progress mode (default poll)")
+    parser.add_argument("--rma", choices=("native", "emulated"),
+                        help="mpi put/get: MPI-3 RMA or the two-sided protocol (default native)")
+    parser.add_argument("--wait", choices=("submission", "completion"), default="completion",
+                        help="what each send/put awaits (default completion)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also measure raw mpi4py in the same run (mpi only)")
+    parser.add_argument("--idle", type=seconds, default=1.0, metavar="S",
+                        help="wait pattern: how long rank 1 waits before sending (default 1)")
+    add_measurement_arguments(parser)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from mate.transports.mpi import launched_by_mpiexec
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.transport is None:
+        args.transport = "mpi" if launched_by_mpiexec() else "local"
+    if args.transport == "local":
+        if args.baseline:
+            parser.error("--baseline needs --transport mpi (the baseline is raw mpi4py)")
+        for option in ("progress", "rma"):
+            if getattr(args, option) is not None:
+                parser.error(f"--{option} applies to --transport mpi only")
+    if args.wait == "submission" and args.pattern not in SUBMISSION_PATTERNS:
+        parser.error(f"--wait submission: {args.pattern} has no submission event "
+                     f"(only {', '.join(SUBMISSION_PATTERNS)} do)")
+    if args.rma is not None and args.pattern not in ("put", "get"):
+        parser.error("--rma applies to the put and get patterns only")
+    if args.uvloop:
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            parser.error("--uvloop: uvloop is not installed (pip install 'mate[uvloop]')")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib (pip install 'mate[bench]')")
+    return args
+
+
+def options(args: argparse.Namespace) -> Options:
+    show = os.environ.get(PROGRESS_ENV)
+    return Options(
+        pattern=args.pattern, transport=args.transport, progress=args.progress, rma=args.rma,
+        wait=args.wait, sizes=tuple(args.sizes), baseline=args.baseline,
+        repetitions=args.repetitions, min_time=args.min_time, idle=args.idle,
+        show_progress=sys.stderr.isatty() if show is None else show == "1",
+        uvloop=args.uvloop)
+
+
+def emit(result: Result, args: argparse.Namespace) -> None:
+    """Print the table and write the files asked for (rank 0 only)."""
+    print(format_table(result), flush=True)
+    if args.json:
+        result.write_json(args.json)
+    if args.plot:
+        write_plot(result, args.plot)
+
+
+def launch(argv: Sequence[str]) -> int:
+    """Run this benchmark again as two MPI ranks; return mpiexec's exit code."""
+    from mate.run import find_mpiexec
+
+    command = [find_mpiexec(), "-n", "2", sys.executable, "-m", "mate.bench", *argv]
+    env = dict(os.environ)
+    env.setdefault(PROGRESS_ENV, "1" if sys.stderr.isatty() else "0")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        return subprocess.call(command, env=env)
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from mate.transports.mpi import launched_by_mpiexec
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.transport == "mpi" and not launched_by_mpiexec():
+        sys.exit(launch(argv))
+    try:
+        result = run(options(args))
+    except BenchError as exc:
+        print(f"mate-bench: {exc}", file=sys.stderr)
+        _abort_mpi(args, 2)
+        sys.exit(2)
+    except BaseException:
+        if args.transport == "mpi":
+            import traceback
+
+            traceback.print_exc()
+            _abort_mpi(args, 1)
+        raise
+    if result is not None:
+        emit(result, args)
+
+
+def _abort_mpi(args: argparse.Namespace, code: int) -> None:
+    """One rank failed: end the whole MPI job rather than leave the other one waiting."""
+    if args.transport != "mpi":
+        return
+    from mpi4py import MPI
+
+    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(code)

@@ -1,0 +1,189 @@
+"""Running a benchmark: two ranks on the local transport (one process) or on MPI
+(one rank per process, under mpiexec), the sweep over sizes, and the result.
+
+On MPI with a baseline every size is measured twice in turn, first with mate
+then with raw mpi4py (`mate.bench.patterns.RawBench`), so that both see the
+same machine state; the raw calls run on their own communicator and window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import platform
+import socket
+import sys
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import mate
+from mate.bench import stats
+from mate.bench.measure import Batch, Measurement, measure
+from mate.bench.patterns import DIVISOR, MateBench, RawBench
+from mate.bench.report import ProgressBar, Result, Row
+
+WAIT_SIZE = 8  # the wait pattern ignores --sizes
+
+
+class BenchError(Exception):
+    """A benchmark that cannot run as asked (reported without a traceback)."""
+
+
+@dataclass(frozen=True)
+class Options:
+    pattern: str
+    transport: str  # "local" or "mpi"
+    progress: str | None = None  # mpi: poll (default), thread, manual
+    rma: str | None = None  # mpi: native (default), emulated
+    wait: str = "completion"
+    sizes: tuple[int, ...] = (8,)
+    baseline: bool = False
+    repetitions: int = 5
+    min_time: float = 0.05
+    idle: float = 1.0  # the wait pattern: how long rank 0 waits
+    show_progress: bool = False
+    uvloop: bool = False
+
+    @property
+    def sweep(self) -> list[int]:
+        return [WAIT_SIZE] if self.pattern == "wait" else list(self.sizes)
+
+
+def _metadata(opts: Options) -> dict[str, Any]:
+    extra: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "mate_version": mate.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "event_loop": "uvloop" if opts.uvloop else "asyncio",
+        "repetitions": opts.repetitions,
+        "min_time_s": opts.min_time,
+        "statistic": "median of repetitions; cpu_percent over all repetitions, rank 0",
+    }
+    if opts.pattern == "wait":
+        extra["idle_s"] = opts.idle
+    if opts.transport == "mpi":
+        import mpi4py
+        from mpi4py import MPI
+
+        extra["rma"] = opts.rma or "native"
+        extra["mpi4py"] = mpi4py.__version__
+        extra["mpi_library"] = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+    else:
+        extra["rma"] = None
+        extra["note"] = "local transport: both ranks in one process; CPU % covers both"
+    return extra
+
+
+def new_result(opts: Options) -> Result:
+    progress = (opts.progress or "poll") if opts.transport == "mpi" else None
+    return Result(opts.pattern, opts.transport, progress, opts.wait, socket.gethostname(),
+                  extra=_metadata(opts))
+
+
+async def _measure(opts: Options, batch: Batch, size: int) -> Measurement:
+    divisor = DIVISOR.get(opts.pattern, 1)
+    if opts.pattern == "wait":  # one long wait per repetition: no warm-up, no calibration
+        return await measure(batch, size, min_time=opts.min_time,
+                             repetitions=opts.repetitions, divisor=divisor, warmup=0,
+                             iterations=1)
+    return await measure(batch, size, min_time=opts.min_time, repetitions=opts.repetitions,
+                         divisor=divisor)
+
+
+async def _lead(opts: Options, bench: MateBench, raw: RawBench | None) -> list[Row]:
+    """Rank 0: the sweep, mate then (with a baseline) raw at every size."""
+    sizes = opts.sweep
+    bar = ProgressBar(len(sizes), f"{opts.pattern} {opts.transport}", opts.show_progress)
+    rows = []
+    try:
+        for i, size in enumerate(sizes):
+            bar.update(i, f"{stats.format_size(size)} B mate")
+            mine = await _measure(opts, bench.batch(size), size)
+            await bench.end_phase(size)
+            theirs = None
+            if raw is not None:
+                bar.update(i, f"{stats.format_size(size)} B raw ")
+                theirs = await _measure(opts, raw.batch(size), size)
+                raw.end_phase(size)
+            rows.append(Row.from_measurements(mine, theirs))
+        bar.update(len(sizes), "done")
+    finally:
+        bar.close()
+    return rows
+
+
+async def _serve(opts: Options, bench: MateBench, raw: RawBench | None) -> None:
+    """Rank 1: serve every phase, in the order rank 0 runs them."""
+    for _ in opts.sweep:
+        await bench.serve_phase()
+        if raw is not None:
+            raw.serve_phase()
+
+
+async def run_local(opts: Options) -> Result:
+    """Both ranks in this process, on the local transport."""
+    if opts.baseline:
+        raise BenchError("--baseline needs --transport mpi (raw MPI is the baseline)")
+    result = new_result(opts)
+    async with mate.local.worlds(2) as (w0, w1):
+        lead = MateBench(w0, opts.pattern, opts.wait, opts.sweep, opts.idle)
+        serve = MateBench(w1, opts.pattern, opts.wait, opts.sweep, opts.idle)
+        await asyncio.gather(lead.setup(), serve.setup())
+        rows, _ = await asyncio.gather(_lead(opts, lead, None), _serve(opts, serve, None))
+        await asyncio.gather(lead.teardown(), serve.teardown())
+    result.rows = rows
+    return result
+
+
+async def run_mpi(opts: Options) -> Result | None:
+    """This process's rank on the MPI transport; rank 0 returns the result."""
+    options: dict[str, Any] = {"progress": opts.progress or "poll"}
+    if opts.rma is not None:
+        options["rma"] = opts.rma
+    async with mate.startup("mpi", **options) as world:
+        if world.numprocs != 2:
+            raise BenchError(f"mate-bench runs on exactly 2 ranks, not {world.numprocs}")
+        bench = MateBench(world, opts.pattern, opts.wait, opts.sweep, opts.idle)
+        raw = RawBench(opts.pattern, opts.wait, opts.sweep, opts.idle) if opts.baseline else None
+        await bench.setup()
+        if raw is not None:
+            raw.setup()
+        rows = None
+        if world.mypid == 0:
+            rows = await _lead(opts, bench, raw)
+        else:
+            await _serve(opts, bench, raw)
+        await bench.teardown()
+        # Meet before the raw window is freed (a blocking collective): rank 1's
+        # unexpose needs rank 0's mate progress until it returns.
+        token = bytearray(1)
+        if world.mypid == 0:
+            await world.recv(token, 1, 3)
+        else:
+            await world.send(token, 0, 3)
+        if raw is not None:
+            raw.teardown()
+    if rows is None:
+        return None
+    result = new_result(opts)
+    result.rows = rows
+    return result
+
+
+def run(opts: Options) -> Result | None:
+    """Run the benchmark on this process's event loop (uvloop if asked)."""
+    runner: Callable[[Options], Coroutine[Any, Any, Result | None]]
+    runner = run_local if opts.transport == "local" else run_mpi
+    if opts.uvloop:
+        import uvloop
+
+        return uvloop.run(runner(opts))
+    return asyncio.run(runner(opts))
+
+
+def stderr_is_terminal() -> bool:
+    return sys.stderr.isatty()

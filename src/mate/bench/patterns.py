@@ -1,0 +1,367 @@
+"""The benchmark patterns, once with mate's public API and once with raw mpi4py.
+
+Rank 0 measures, rank 1 serves. Each size is a *phase*: rank 0 runs batches
+(see `mate.bench.measure`), each announced to rank 1 by a header (iterations,
+size) and acknowledged, so that the clock starts with both ranks ready; a
+header with 0 iterations ends the phase. With a baseline, every size has a
+mate phase followed by a raw phase, so that both see the same machine state.
+
+Per iteration, rank 0 (rank 1 mirrors the two-sided patterns):
+
+* pingpong: ``r = recv; await send (or its submission); await r``; the figure is
+  half the round trip. Raw: blocking ``Ssend`` + ``Recv`` (``Send`` with
+  ``--wait submission``).
+* pingping: both ranks ``r = recv; s = send; await s (or its submission); await r``
+  at once; the figure is the time per exchange. Raw: ``Irecv`` + ``Isend`` +
+  ``Waitall``.
+* put: ``await put`` into a region rank 1 exposed (its address came by a
+  message); with ``--wait submission`` each put's submission is awaited and the
+  completions at the end of the batch. Raw: ``Rput`` + ``Win_flush`` on a
+  dynamic window in one ``Lock_all`` epoch (``Rput`` + ``Wait`` per put and one
+  ``Win_flush`` per batch with ``--wait submission``).
+* get: ``await get``. Raw: ``Rget`` + ``Wait``.
+* wait: rank 1 sends one message `idle` seconds after the start; rank 0 awaits
+  it, and its CPU use over that time is the figure (SPEC §7, thread mode).
+  Raw: a blocking ``Recv``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from typing import Any
+
+import mate
+from mate.bench.measure import Batch, Sample, clock
+
+PATTERNS = ("pingpong", "pingping", "put", "get", "wait")
+SUBMISSION_PATTERNS = ("pingpong", "pingping", "put")  # send and put have a submission
+DIVISOR = {"pingpong": 2}  # pingpong reports half the round trip
+
+DATA_TAG = 1
+CONTROL_TAG = 2
+HEADER = struct.Struct("<qq")  # iterations (0 ends the phase), size
+ADDRESS = struct.Struct("<Q")
+
+
+class Buffers:
+    """Preallocated buffers of the largest size and a view of each size, so that the
+    loops slice nothing."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        largest = max(max(sizes), 1)
+        self.out = bytearray(b"\x5a" * largest)
+        self.into = bytearray(largest)
+        self.region = bytearray(largest)  # the target of put and get (rank 1)
+        out, into = memoryview(self.out), memoryview(self.into)
+        self.outs = {size: out[:size] for size in sizes}
+        self.intos = {size: into[:size] for size in sizes}
+
+
+# -- mate --------------------------------------------------------------------------------
+
+
+class MateBench:
+    """One rank's side of a pattern over mate's public API."""
+
+    def __init__(self, world: mate.World, pattern: str, wait: str, sizes: list[int],
+                 idle: float) -> None:
+        self.world = world
+        self.pattern = pattern
+        self.submission = wait == "submission"
+        self.sizes = sizes
+        self.idle = idle
+        self.peer = 1 - world.mypid
+        self.buffers = Buffers(sizes)
+        self.header = bytearray(HEADER.size)
+        self.ack = bytearray(HEADER.size)
+        self.address = 0  # of rank 1's region (put, get)
+        self.region: mate.Region | None = None
+
+    async def setup(self) -> None:
+        if self.pattern not in ("put", "get"):
+            return
+        world, word = self.world, bytearray(ADDRESS.size)
+        if world.mypid == 1:
+            self.region = world.expose(self.buffers.region)
+            ADDRESS.pack_into(word, 0, self.region.address)
+            await world.send(word, 0, CONTROL_TAG)
+        else:
+            await world.recv(word, 1, CONTROL_TAG)
+            (self.address,) = ADDRESS.unpack(word)
+
+    async def teardown(self) -> None:
+        if self.region is not None:
+            await self.world.unexpose(self.region)
+            self.region = None
+
+    # -- rank 0 ------------------------------------------------------------------------
+
+    async def _start(self, iterations: int, size: int) -> None:
+        """Announce a batch to rank 1 and wait until it is ready."""
+        HEADER.pack_into(self.header, 0, iterations, size)
+        ready = self.world.recv(self.ack, 1, CONTROL_TAG)
+        await self.world.send(self.header, 1, CONTROL_TAG)
+        await ready
+
+    async def end_phase(self, size: int) -> None:
+        HEADER.pack_into(self.header, 0, 0, size)
+        await self.world.send(self.header, 1, CONTROL_TAG)
+
+    def batch(self, size: int) -> Batch:
+        """The timed loop of rank 0 at `size` bytes."""
+        world, out, into = self.world, self.buffers.outs[size], self.buffers.intos[size]
+        send, recv, put, get = world.send, world.recv, world.put, world.get
+        address, submission, pattern = self.address, self.submission, self.pattern
+
+        async def pingpong(n: int) -> Sample:
+            await self._start(n, size)
+            start = clock()
+            if submission:
+                for _ in range(n):
+                    r = recv(into, 1, DATA_TAG)
+                    await send(out, 1, DATA_TAG).submitted  # type: ignore[misc]
+                    await r
+            else:
+                for _ in range(n):
+                    r = recv(into, 1, DATA_TAG)
+                    await send(out, 1, DATA_TAG)
+                    await r
+            return Sample.since(n, start)
+
+        async def pingping(n: int) -> Sample:
+            await self._start(n, size)
+            start = clock()
+            await exchange(world, n, out, into, 1, submission)
+            return Sample.since(n, start)
+
+        async def put_(n: int) -> Sample:
+            await self._start(n, size)
+            start = clock()
+            if submission:
+                pending: list[mate.Message] = []
+                for _ in range(n):
+                    msg = put(out, 1, address)
+                    await msg.submitted  # type: ignore[misc]
+                    pending.append(msg)
+                for msg in pending:
+                    await msg
+            else:
+                for _ in range(n):
+                    await put(out, 1, address)
+            return Sample.since(n, start)
+
+        async def get_(n: int) -> Sample:
+            await self._start(n, size)
+            start = clock()
+            for _ in range(n):
+                await get(into, 1, address)
+            return Sample.since(n, start)
+
+        async def wait(n: int) -> Sample:
+            await self._start(n, size)
+            start = clock()
+            for _ in range(n):
+                await recv(into, 1, DATA_TAG)
+            return Sample.since(n, start)
+
+        loops = {"pingpong": pingpong, "pingping": pingping, "put": put_, "get": get_,
+                 "wait": wait}
+        return loops[pattern]
+
+    # -- rank 1 ------------------------------------------------------------------------
+
+    async def serve_phase(self) -> None:
+        """Serve rank 0's batches until it ends the phase."""
+        world, header = self.world, self.header
+        send, recv = world.send, world.recv
+        submission, pattern = self.submission, self.pattern
+        while True:
+            await recv(header, 0, CONTROL_TAG)
+            n, size = HEADER.unpack(header)
+            if n == 0:
+                return
+            out, into = self.buffers.outs[size], self.buffers.intos[size]
+            if pattern == "pingpong":
+                # Like rank 0, the receive is posted before the send it answers, so
+                # the next ping always finds a receive waiting.
+                r = recv(into, 0, DATA_TAG)
+                await send(self.ack, 0, CONTROL_TAG)
+                for _ in range(n - 1):
+                    await r
+                    r = recv(into, 0, DATA_TAG)
+                    await _reply(send, out, submission)
+                await r
+                await _reply(send, out, submission)
+            elif pattern == "pingping":
+                await send(self.ack, 0, CONTROL_TAG)
+                await exchange(world, n, out, into, 0, submission)
+            elif pattern == "wait":
+                await send(self.ack, 0, CONTROL_TAG)
+                for _ in range(n):
+                    await asyncio.sleep(self.idle)
+                    await send(out, 0, DATA_TAG)
+            else:  # put, get: rank 1 only keeps its region exposed
+                await send(self.ack, 0, CONTROL_TAG)
+
+
+async def _reply(send: Any, out: memoryview, submission: bool) -> None:
+    if submission:
+        await send(out, 0, DATA_TAG).submitted
+    else:
+        await send(out, 0, DATA_TAG)
+
+
+async def exchange(world: mate.World, n: int, out: memoryview, into: memoryview, peer: int,
+                   submission: bool) -> None:
+    """`n` ping-ping exchanges with `peer`: receive and send at once, both awaited."""
+    send, recv = world.send, world.recv
+    if submission:
+        for _ in range(n):
+            r = recv(into, peer, DATA_TAG)
+            await send(out, peer, DATA_TAG).submitted  # type: ignore[misc]
+            await r
+    else:
+        for _ in range(n):
+            r = recv(into, peer, DATA_TAG)
+            s = send(out, peer, DATA_TAG)
+            await s
+            await r
+
+
+# -- raw mpi4py --------------------------------------------------------------------------
+
+
+class RawBench:
+    """One rank's side of a pattern in raw mpi4py: blocking or request-based calls on
+    a communicator (and for put/get a dynamic window) of its own."""
+
+    def __init__(self, pattern: str, wait: str, sizes: list[int], idle: float) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.pattern = pattern
+        self.submission = wait == "submission"
+        self.idle = idle
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.rank = self.comm.Get_rank()
+        self.buffers = Buffers(sizes)
+        self.header = bytearray(HEADER.size)
+        self.ack = bytearray(HEADER.size)
+        self.win: Any = None
+        self.address = 0
+
+    def setup(self) -> None:
+        if self.pattern not in ("put", "get"):
+            return
+        MPI = self.MPI
+        self.win = MPI.Win.Create_dynamic(MPI.INFO_NULL, self.comm)
+        word = bytearray(ADDRESS.size)
+        if self.rank == 1:
+            self.win.Attach(self.buffers.region)
+            ADDRESS.pack_into(word, 0, MPI.Get_address(self.buffers.region))
+            self.comm.Send(word, 0, CONTROL_TAG)
+        else:
+            self.comm.Recv(word, 1, CONTROL_TAG)
+            (self.address,) = ADDRESS.unpack(word)
+            self.win.Lock_all(MPI.MODE_NOCHECK)
+
+    def teardown(self) -> None:
+        if self.win is not None:
+            if self.rank == 0:
+                self.win.Unlock_all()
+            else:
+                self.win.Detach(self.buffers.region)
+            self.win.Free()
+            self.win = None
+        self.comm.Free()
+
+    # -- rank 0 ------------------------------------------------------------------------
+
+    def _start(self, iterations: int, size: int) -> None:
+        HEADER.pack_into(self.header, 0, iterations, size)
+        self.comm.Send(self.header, 1, CONTROL_TAG)
+        self.comm.Recv(self.ack, 1, CONTROL_TAG)
+
+    def end_phase(self, size: int) -> None:
+        HEADER.pack_into(self.header, 0, 0, size)
+        self.comm.Send(self.header, 1, CONTROL_TAG)
+
+    def batch(self, size: int) -> Batch:
+        MPI, comm, win = self.MPI, self.comm, self.win
+        out, into = self.buffers.outs[size], self.buffers.intos[size]
+        target = (self.address, size, MPI.BYTE)
+        send = comm.Send if self.submission else comm.Ssend
+        pattern, submission = self.pattern, self.submission
+
+        def loop(n: int) -> None:
+            if pattern == "pingpong":
+                recv = comm.Recv
+                for _ in range(n):
+                    send(out, 1, DATA_TAG)
+                    recv(into, 1, DATA_TAG)
+            elif pattern == "pingping":
+                raw_exchange(MPI, comm, n, out, into, 1)
+            elif pattern == "put":
+                rput, flush = win.Rput, win.Flush
+                if submission:
+                    for _ in range(n):
+                        rput(out, 1, target).Wait()
+                    flush(1)
+                else:
+                    for _ in range(n):
+                        request = rput(out, 1, target)
+                        flush(1)
+                        request.Wait()
+            elif pattern == "get":
+                rget = win.Rget
+                for _ in range(n):
+                    rget(into, 1, target).Wait()
+            else:  # wait
+                for _ in range(n):
+                    comm.Recv(into, 1, DATA_TAG)
+
+        async def timed(n: int) -> Sample:
+            self._start(n, size)
+            start = clock()
+            loop(n)
+            return Sample.since(n, start)
+
+        return timed
+
+    # -- rank 1 ------------------------------------------------------------------------
+
+    def serve_phase(self) -> None:
+        comm, header, MPI = self.comm, self.header, self.MPI
+        send = comm.Send if self.submission else comm.Ssend
+        while True:
+            comm.Recv(header, 0, CONTROL_TAG)
+            n, size = HEADER.unpack(header)
+            if n == 0:
+                return
+            out, into = self.buffers.outs[size], self.buffers.intos[size]
+            comm.Send(self.ack, 0, CONTROL_TAG)
+            if self.pattern == "pingpong":
+                recv = comm.Recv
+                for _ in range(n):
+                    recv(into, 0, DATA_TAG)
+                    send(out, 0, DATA_TAG)
+            elif self.pattern == "pingping":
+                raw_exchange(MPI, comm, n, out, into, 0)
+            elif self.pattern == "wait":
+                for _ in range(n):
+                    time.sleep(self.idle)
+                    comm.Ssend(out, 0, DATA_TAG)
+            # put, get: the next blocking Recv of a header keeps MPI progressing
+
+
+def raw_exchange(MPI: Any, comm: Any, n: int, out: memoryview, into: memoryview,
+                 peer: int) -> None:
+    """`n` ping-ping exchanges in raw MPI: Irecv + Isend + Waitall."""
+    requests: list[Any] = [None, None]
+    irecv, isend, waitall = comm.Irecv, comm.Isend, MPI.Request.Waitall
+    for _ in range(n):
+        requests[0] = irecv(into, peer, DATA_TAG)
+        requests[1] = isend(out, peer, DATA_TAG)
+        waitall(requests)

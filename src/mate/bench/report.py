@@ -1,0 +1,286 @@
+"""Results of a benchmark run: the table on stdout, the JSON of SPEC §5, the plot.
+
+The JSON object is the contract scripts and CI read (SPEC §5)::
+
+    {"pattern", "transport", "progress", "wait", "host",
+     "rows": [{"size", "latency_us", "bandwidth_MBps", "cpu_percent",
+               "baseline_latency_us", "baseline_bandwidth_MBps"}],
+     "summary": {"peak_bandwidth_MBps", "n_half",
+                 "baseline_peak_bandwidth_MBps", "baseline_n_half"}}
+
+Baseline fields are null without a baseline. Extra keys (``rma``, ``date``,
+``python``, ``mpi_library``, ``repetitions``, ... and per row ``iterations``,
+``baseline_cpu_percent``, ``latency_ratio``, ``bandwidth_ratio``) may be added
+but those above never change.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from mate.bench import stats
+from mate.bench.measure import Measurement
+
+ROW_KEYS = ("size", "latency_us", "bandwidth_MBps", "cpu_percent", "baseline_latency_us",
+            "baseline_bandwidth_MBps")
+SUMMARY_KEYS = ("peak_bandwidth_MBps", "n_half", "baseline_peak_bandwidth_MBps",
+                "baseline_n_half")
+TOP_KEYS = ("pattern", "transport", "progress", "wait", "host", "rows", "summary")
+
+
+@dataclass(frozen=True)
+class Row:
+    size: int
+    latency_us: float
+    bandwidth_MBps: float
+    cpu_percent: float
+    iterations: int = 0
+    baseline_latency_us: float | None = None
+    baseline_bandwidth_MBps: float | None = None
+    baseline_cpu_percent: float | None = None
+    baseline_iterations: int | None = None
+
+    @classmethod
+    def from_measurements(cls, mate: Measurement, raw: Measurement | None = None) -> Row:
+        if raw is None:
+            return cls(mate.size, mate.latency_us, mate.bandwidth_mbps, mate.cpu_percent,
+                       mate.iterations)
+        return cls(mate.size, mate.latency_us, mate.bandwidth_mbps, mate.cpu_percent,
+                   mate.iterations, raw.latency_us, raw.bandwidth_mbps, raw.cpu_percent,
+                   raw.iterations)
+
+    @property
+    def latency_ratio(self) -> float | None:
+        """MATE / raw latency (above 1: MATE is slower)."""
+        return stats.ratio(self.latency_us, self.baseline_latency_us)
+
+    @property
+    def bandwidth_ratio(self) -> float | None:
+        """MATE / raw bandwidth (below 1: MATE moves less)."""
+        return stats.ratio(self.bandwidth_MBps, self.baseline_bandwidth_MBps)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "size": self.size,
+            "latency_us": self.latency_us,
+            "bandwidth_MBps": self.bandwidth_MBps,
+            "cpu_percent": self.cpu_percent,
+            "baseline_latency_us": self.baseline_latency_us,
+            "baseline_bandwidth_MBps": self.baseline_bandwidth_MBps,
+            "iterations": self.iterations,
+            "baseline_cpu_percent": self.baseline_cpu_percent,
+            "baseline_iterations": self.baseline_iterations,
+            "latency_ratio": self.latency_ratio,
+            "bandwidth_ratio": self.bandwidth_ratio,
+        }
+
+
+@dataclass(frozen=True)
+class Summary:
+    peak_bandwidth_MBps: float | None
+    n_half: float | None
+    baseline_peak_bandwidth_MBps: float | None
+    baseline_n_half: float | None
+
+    @classmethod
+    def of(cls, rows: list[Row]) -> Summary:
+        sizes = [r.size for r in rows]
+        base = [r.baseline_bandwidth_MBps for r in rows]
+        if rows and all(b is not None for b in base):
+            base_bw = [float(b) for b in base if b is not None]
+            base_peak, base_half = stats.peak(base_bw), stats.n_half(sizes, base_bw)
+        else:
+            base_peak = base_half = None
+        bandwidths = [r.bandwidth_MBps for r in rows]
+        return cls(stats.peak(bandwidths), stats.n_half(sizes, bandwidths), base_peak,
+                   base_half)
+
+    def to_json(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in SUMMARY_KEYS}
+
+
+@dataclass
+class Result:
+    pattern: str
+    transport: str
+    progress: str | None
+    wait: str
+    host: str
+    rows: list[Row] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # extra top-level JSON keys
+
+    @property
+    def summary(self) -> Summary:
+        return Summary.of(self.rows)
+
+    @property
+    def has_baseline(self) -> bool:
+        return any(r.baseline_latency_us is not None for r in self.rows)
+
+    def title(self) -> str:
+        parts = [self.pattern, self.transport]
+        if self.progress:
+            parts.append(f"progress={self.progress}")
+        if self.extra.get("rma") and self.pattern in ("put", "get"):
+            parts.append(f"rma={self.extra['rma']}")
+        if self.wait != "completion":
+            parts.append(f"wait={self.wait}")
+        return " ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {
+            "pattern": self.pattern,
+            "transport": self.transport,
+            "progress": self.progress,
+            "wait": self.wait,
+            "host": self.host,
+            "rows": [r.to_json() for r in self.rows],
+            "summary": self.summary.to_json(),
+        }
+        for key, value in self.extra.items():
+            obj.setdefault(key, value)
+        return obj
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+# -- the table ------------------------------------------------------------------------------
+
+
+def _num(value: float | None, width: int, digits: int = 2) -> str:
+    if value is None:
+        return "-".rjust(width)
+    if abs(value) >= 10 ** (width - digits - 2):
+        return f"{value:{width}.0f}"
+    return f"{value:{width}.{digits}f}"
+
+
+def format_table(result: Result) -> str:
+    """The table for stdout, with the summary line(s) at the end."""
+    baseline = result.has_baseline
+    head = f"{'size':>8} {'latency us':>11} {'MB/s':>10} {'CPU %':>7} {'iters':>8}"
+    if baseline:
+        head += (f"  {'raw us':>10} {'raw MB/s':>10} {'raw CPU%':>8}"
+                 f"  {'lat ratio':>9} {'bw ratio':>8}")
+    lines = [f"# mate-bench {result.title()}  host={result.host}", head]
+    for row in result.rows:
+        line = (f"{stats.format_size(row.size):>8} {_num(row.latency_us, 11)} "
+                f"{_num(row.bandwidth_MBps, 10)} {_num(row.cpu_percent, 7, 1)} "
+                f"{row.iterations:>8}")
+        if baseline:
+            line += (f"  {_num(row.baseline_latency_us, 10)} "
+                     f"{_num(row.baseline_bandwidth_MBps, 10)} "
+                     f"{_num(row.baseline_cpu_percent, 8, 1)}"
+                     f"  {_num(row.latency_ratio, 9)} {_num(row.bandwidth_ratio, 8)}")
+        lines.append(line)
+    lines.append(format_summary(result))
+    return "\n".join(lines)
+
+
+def _plain(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _size_or_dash(value: float | None) -> str:
+    return "-" if value is None else f"{stats.format_size(value)} ({value:.0f} B)"
+
+
+def format_summary(result: Result) -> str:
+    s = result.summary
+    line = (f"summary: peak bandwidth {_plain(s.peak_bandwidth_MBps)} MB/s, "
+            f"n1/2 {_size_or_dash(s.n_half)}")
+    if result.has_baseline:
+        line += (f"; baseline: peak bandwidth {_plain(s.baseline_peak_bandwidth_MBps)} MB/s, "
+                 f"n1/2 {_size_or_dash(s.baseline_n_half)}")
+        peak_ratio = stats.ratio(s.peak_bandwidth_MBps, s.baseline_peak_bandwidth_MBps)
+        half_ratio = stats.ratio(s.n_half, s.baseline_n_half)
+        line += f"; MATE/raw: peak {_plain(peak_ratio, 2)}, n1/2 {_plain(half_ratio, 2)}"
+    return line
+
+
+# -- progress on stderr ------------------------------------------------------------------------
+
+
+class ProgressBar:
+    """A one-line progress display on stderr (plain carriage returns); silent when off."""
+
+    def __init__(self, total: int, label: str, enabled: bool, stream: TextIO | None = None):
+        self.total = total
+        self.label = label
+        self.enabled = enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self._width = 0
+
+    def update(self, done: int, note: str = "") -> None:
+        if not self.enabled:
+            return
+        filled = 20 * done // max(self.total, 1)
+        text = f"{self.label} [{'#' * filled}{'.' * (20 - filled)}] {done}/{self.total} {note}"
+        pad = max(0, self._width - len(text))
+        self._width = len(text)
+        self.stream.write("\r" + text + " " * pad)
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
+            self._width = 0
+
+
+# -- the plot -----------------------------------------------------------------------------------
+
+
+def _size_tick(value: float, _position: float) -> str:
+    return stats.format_size(value) if value >= 1 else f"{value:g}"
+
+
+def write_plot(result: Result, path: str | Path) -> None:
+    """Latency and bandwidth against size, log-log, MATE and the baseline on the same
+    axes (in the manner of the thesis's Figs 6.8-6.17)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    rows = [r for r in result.rows if r.size > 0]  # log axes: size 0 cannot be shown
+    fig, (lat_ax, bw_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
+    label = "MATE" if result.transport in ("mpi", "local") else result.transport
+    sizes = [r.size for r in rows]
+    lat_ax.plot(sizes, [r.latency_us for r in rows], "o-", label=label)
+    bw_ax.plot(sizes, [r.bandwidth_MBps for r in rows], "o-", label=label)
+    base = [r for r in rows if r.baseline_latency_us is not None]
+    if base:
+        base_sizes = [r.size for r in base]
+        lat_ax.plot(base_sizes, [r.baseline_latency_us for r in base], "s--",
+                    label="raw mpi4py")
+        bw_ax.plot(base_sizes, [r.baseline_bandwidth_MBps for r in base], "s--",
+                   label="raw mpi4py")
+    summary = result.summary
+    if summary.n_half is not None and summary.peak_bandwidth_MBps:
+        bw_ax.axvline(summary.n_half, color="C0", linestyle=":", linewidth=1,
+                      label=f"n1/2 {stats.format_size(summary.n_half)}")
+    if base and summary.baseline_n_half is not None:
+        bw_ax.axvline(summary.baseline_n_half, color="C1", linestyle=":", linewidth=1,
+                      label=f"raw n1/2 {stats.format_size(summary.baseline_n_half)}")
+    for ax, ylabel, what in ((lat_ax, "latency (µs)", "latency"),
+                             (bw_ax, "bandwidth (MB/s)", "bandwidth")):
+        if rows:
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.xaxis.set_major_formatter(FuncFormatter(_size_tick))
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(what)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    fig.suptitle(f"mate-bench {result.title()} ({result.host})")
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=100)
+    plt.close(fig)

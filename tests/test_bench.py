@@ -1,0 +1,365 @@
+"""Tests of mate-bench's own arithmetic and output, on synthetic inputs.
+
+No timing assertions: the figures are computed from made-up samples. One
+smoke run of the command on the local transport checks the JSON schema of
+SPEC §5 end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mate.bench import cli, stats
+from mate.bench.measure import Measurement, Sample, measure
+from mate.bench.report import (
+    ROW_KEYS,
+    SUMMARY_KEYS,
+    TOP_KEYS,
+    ProgressBar,
+    Result,
+    Row,
+    format_table,
+    write_plot,
+)
+
+K, M = 1024, 1024 * 1024
+
+# -- sizes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "size"), [
+    ("0", 0), ("8", 8), ("4K", 4096), ("4k", 4096), ("1M", M), ("1m", M), ("1G", 1 << 30),
+    (" 64K ", 64 * K), ("4KiB", 4096), ("2KB", 2048), ("16B", 16),
+])
+def test_parse_size(text: str, size: int) -> None:
+    assert stats.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "K", "abc", "-1", "1.5K", "4T", "2G", "1 K B x"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        stats.parse_size(text)
+
+
+def test_parse_sizes_range() -> None:
+    sizes = stats.parse_sizes("1:4M")
+    assert sizes[0] == 1 and sizes[-1] == 4 * M and len(sizes) == 23
+    assert all(b == 2 * a for a, b in itertools.pairwise(sizes))
+    assert stats.parse_sizes("8:8") == [8]
+    assert stats.parse_sizes("1K:4K") == [1024, 2048, 4096]
+
+
+def test_parse_sizes_list() -> None:
+    assert stats.parse_sizes("8,4096,1M") == [8, 4096, M]
+    assert stats.parse_sizes("1M, 8,8 ,0") == [0, 8, M]  # sorted, no duplicates, 0 allowed
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("", "no sizes"),
+    ("3:8", "powers of two"),
+    ("0:4", "powers of two"),
+    ("8:4", "empty"),
+    ("1:2:4", "LO:HI"),
+    ("8,,16", "empty item"),
+    ("8,x", "not a size"),
+    ("1:2G", "larger"),
+])
+def test_parse_sizes_rejects(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        stats.parse_sizes(text)
+
+
+def test_bad_sizes_are_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(["pingpong", "--transport", "local", "--sizes", "3:7"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--sizes" in err and "powers of two" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["pingpong", "--transport", "local", "--baseline"], "--baseline needs --transport mpi"),
+    (["pingpong", "--transport", "local", "--progress", "thread"], "mpi only"),
+    (["get", "--transport", "mpi", "--wait", "submission"], "no submission"),
+    (["pingpong", "--transport", "mpi", "--rma", "native"], "put and get"),
+    (["pingpong", "--repetitions", "0"], "must be >= 1"),
+    (["pingpong", "--min-time", "-1"], ">= 0"),
+])
+def test_bad_combinations(argv: list[str], message: str,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_default_transport_outside_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    args = cli.parse_args(["put"])
+    assert args.transport == "local" and args.sizes == stats.parse_sizes(cli.DEFAULT_SIZES)
+    monkeypatch.setenv("PMI_RANK", "0")
+    assert cli.parse_args(["put"]).transport == "mpi"
+
+
+def test_format_size() -> None:
+    assert [stats.format_size(s) for s in (0, 8, 1000, 1024, 4 * M, 3 * K)] == \
+        ["0", "8", "1000", "1K", "4M", "3K"]
+    assert stats.format_size(1536.0 + 0.5) == "1.5K"
+
+
+# -- arithmetic -------------------------------------------------------------------------------
+
+
+def test_median() -> None:
+    assert stats.median([3.0]) == 3.0
+    assert stats.median([5.0, 1.0, 3.0]) == 3.0
+    assert stats.median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    with pytest.raises(ValueError):
+        stats.median([])
+
+
+def test_latency() -> None:
+    assert stats.latency_us(1.0, 1_000_000) == pytest.approx(1.0)
+    assert stats.latency_us(1.0, 1_000_000, divisor=2) == pytest.approx(0.5)  # pingpong
+    with pytest.raises(ValueError):
+        stats.latency_us(1.0, 0)
+
+
+def test_bandwidth() -> None:
+    # MB = 10**6 bytes: one byte per µs is one MB/s.
+    assert stats.bandwidth_mbps(1_000_000, 1_000_000.0) == pytest.approx(1.0)
+    assert stats.bandwidth_mbps(4 * M, 1000.0) == pytest.approx(4194.304)
+    assert stats.bandwidth_mbps(0, 5.0) == 0.0
+    with pytest.raises(ValueError):
+        stats.bandwidth_mbps(8, 0.0)
+
+
+def test_cpu_percent() -> None:
+    assert stats.cpu_percent(0.5, 1.0) == pytest.approx(50.0)
+    assert stats.cpu_percent(0.0, 2.0) == 0.0
+    assert stats.cpu_percent(2.0, 1.0) == pytest.approx(200.0)  # two busy threads
+    with pytest.raises(ValueError):
+        stats.cpu_percent(1.0, 0.0)
+
+
+def test_ratio_and_peak() -> None:
+    assert stats.ratio(3.0, 2.0) == 1.5
+    assert stats.ratio(None, 2.0) is None and stats.ratio(1.0, None) is None
+    assert stats.ratio(1.0, 0.0) is None
+    assert stats.peak([1.0, None, 3.0]) == 3.0 and stats.peak([None]) is None
+
+
+def test_n_half_interpolates_in_log_size() -> None:
+    # half the peak (2) lies half-way between 1 and 3, at 1K and 4K: 2K in log size
+    assert stats.n_half([1024, 4096, 16384], [1.0, 3.0, 4.0]) == pytest.approx(2048.0)
+    # a quarter of the way: 1K * 4 ** 0.25
+    assert stats.n_half([1024, 4096, 16384], [1.0, 9.0, 4.0 * 3]) == pytest.approx(
+        1024 * 4 ** (((12 / 2) - 1) / (9 - 1)))
+
+
+def test_n_half_exactly_at_a_measured_size() -> None:
+    assert stats.n_half([1, 2, 4, 8], [1.0, 2.0, 4.0, 8.0]) == pytest.approx(4.0)
+
+
+def test_n_half_smallest_size_already_above_half() -> None:
+    assert stats.n_half([8, 16, 32], [10.0, 12.0, 14.0]) == 8.0
+    assert stats.n_half([64], [5.0]) == 64.0
+
+
+def test_n_half_sorts_and_takes_the_first_crossing() -> None:
+    sizes, bws = [4096, 1024, 16384, 2048], [9.0, 1.0, 10.0, 3.0]
+    assert stats.n_half(sizes, bws) == pytest.approx(
+        math.exp(math.log(2048) + (5 - 3) / (9 - 3) * (math.log(4096) - math.log(2048))))
+    # a dip after the first crossing does not move it
+    assert stats.n_half([1, 2, 4, 8], [1.0, 6.0, 2.0, 10.0]) == pytest.approx(
+        math.exp((5 - 1) / (6 - 1) * math.log(2)))
+
+
+def test_n_half_from_size_zero_is_linear() -> None:
+    assert stats.n_half([0, 8], [0.0, 10.0]) == pytest.approx(4.0)
+
+
+def test_n_half_without_data() -> None:
+    assert stats.n_half([], []) is None
+    assert stats.n_half([0, 8], [0.0, 0.0]) is None
+    with pytest.raises(ValueError):
+        stats.n_half([1, 2], [1.0])
+
+
+def test_iteration_counts() -> None:
+    assert stats.next_iterations(10, 0.001, 0.05, 10**6) == 100  # at most 10x per step
+    assert stats.next_iterations(10, 0.04, 0.05, 10**6) == 20  # at least 2x
+    assert stats.next_iterations(100, 0.01, 0.05, 10**6) == 600  # 20 % past min_time
+    assert stats.next_iterations(10, 0.0, 0.05, 10**6) == 100
+    assert stats.next_iterations(10, 0.001, 0.05, 15) == 15  # capped
+    assert stats.iteration_cap(8) == stats.MAX_ITERATIONS
+    assert stats.iteration_cap(stats.GIB) == 4
+    assert stats.iteration_cap(0) == stats.MAX_ITERATIONS
+
+
+# -- measurement with a synthetic batch --------------------------------------------------------
+
+
+class FakeBatch:
+    """Each iteration 'takes' `per_iteration` s of wall time and half of it in CPU."""
+
+    def __init__(self, per_iteration: float) -> None:
+        self.per_iteration = per_iteration
+        self.calls: list[int] = []
+
+    async def __call__(self, n: int) -> Sample:
+        self.calls.append(n)
+        return Sample(n, n * self.per_iteration, n * self.per_iteration / 2)
+
+
+def test_measure_calibrates_and_takes_the_median() -> None:
+    batch = FakeBatch(100e-6)
+    m = asyncio.run(measure(batch, 64, min_time=0.01, repetitions=5, divisor=2))
+    assert batch.calls[0] == 1  # warm-up starts with one iteration
+    assert m.iterations * 100e-6 >= 0.01  # one repetition reaches min_time
+    assert batch.calls[-5:] == [m.iterations] * 5
+    assert m.latency_us == pytest.approx(50.0)  # half of 100 µs
+    assert m.bandwidth_mbps == pytest.approx(64 / 50.0)
+    assert m.cpu_percent == pytest.approx(50.0)
+
+
+def test_measure_with_fixed_iterations_and_no_warmup() -> None:
+    batch = FakeBatch(1.0)
+    m = asyncio.run(measure(batch, 8, min_time=0.05, repetitions=3, warmup=0, iterations=1))
+    assert batch.calls == [1, 1, 1]
+    assert m.latency_us == pytest.approx(1e6)
+
+
+def test_measure_respects_the_cap_for_huge_sizes() -> None:
+    batch = FakeBatch(1e-9)
+    m = asyncio.run(measure(batch, stats.GIB, min_time=10.0, repetitions=1))
+    assert max(batch.calls) <= stats.iteration_cap(stats.GIB) == m.iterations
+
+
+def test_measurement_median_and_cpu_over_all_repetitions() -> None:
+    m = Measurement(1000, (Sample(10, 0.001, 0.001), Sample(10, 0.003, 0.0),
+                           Sample(10, 0.002, 0.002)))
+    assert m.latency_us == pytest.approx(200.0)  # median of 100, 300, 200 µs
+    assert m.bandwidth_mbps == pytest.approx(5.0)
+    assert m.cpu_percent == pytest.approx(50.0)  # 0.003 s over 0.006 s
+
+
+# -- results: JSON, table, plot ------------------------------------------------------------------
+
+
+def synthetic_result(baseline: bool) -> Result:
+    rows = []
+    for size in (0, 8, 1024, 65536, 4 * M):
+        latency = 5.0 + size / 1000.0
+        mate = Measurement(size, (Sample(100, latency * 100e-6, latency * 50e-6),))
+        raw = Measurement(size, (Sample(100, latency * 50e-6, latency * 50e-6),))
+        rows.append(Row.from_measurements(mate, raw if baseline else None))
+    return Result("pingpong", "mpi", "poll", "completion", "testhost", rows,
+                  extra={"rma": "native", "repetitions": 1, "pattern": "overridden?"})
+
+
+def check_schema(obj: dict[str, object], *, baseline: bool) -> None:
+    """SPEC §5: the keys, their types, and null baseline fields without a baseline."""
+    for key in TOP_KEYS:
+        assert key in obj, key
+    for key in ("pattern", "transport", "wait", "host"):
+        assert isinstance(obj[key], str), key
+    assert obj["progress"] is None or isinstance(obj["progress"], str)
+    rows = obj["rows"]
+    assert isinstance(rows, list) and rows
+    for row in rows:
+        for key in ROW_KEYS:
+            assert key in row, key
+        assert isinstance(row["size"], int)
+        for key in ("latency_us", "bandwidth_MBps", "cpu_percent"):
+            assert isinstance(row[key], float), key
+        for key in ("baseline_latency_us", "baseline_bandwidth_MBps"):
+            assert (isinstance(row[key], float) if baseline else row[key] is None), key
+    summary = obj["summary"]
+    assert isinstance(summary, dict)
+    assert set(SUMMARY_KEYS) <= set(summary)
+    assert isinstance(summary["peak_bandwidth_MBps"], float)
+    assert isinstance(summary["n_half"], float)
+    for key in ("baseline_peak_bandwidth_MBps", "baseline_n_half"):
+        assert (isinstance(summary[key], float) if baseline else summary[key] is None), key
+
+
+@pytest.mark.parametrize("baseline", [False, True])
+def test_json_schema(baseline: bool, tmp_path: Path) -> None:
+    result = synthetic_result(baseline)
+    path = tmp_path / "r.json"
+    result.write_json(path)
+    obj = json.loads(path.read_text())
+    check_schema(obj, baseline=baseline)
+    assert obj["pattern"] == "pingpong"  # extra keys never override the contract's
+    assert obj["rma"] == "native"
+    assert [row["size"] for row in obj["rows"]] == [0, 8, 1024, 65536, 4 * M]
+    assert obj["summary"]["peak_bandwidth_MBps"] == pytest.approx(max(
+        row["bandwidth_MBps"] for row in obj["rows"]))
+    if baseline:
+        assert obj["rows"][1]["latency_ratio"] == pytest.approx(2.0)
+        assert obj["rows"][1]["bandwidth_ratio"] == pytest.approx(0.5)
+
+
+def test_table(baseline: bool = True) -> None:
+    text = format_table(synthetic_result(baseline))
+    lines = text.splitlines()
+    assert lines[0].startswith("# mate-bench pingpong mpi progress=poll")
+    assert "raw us" in lines[1] and "lat ratio" in lines[1]
+    assert lines[-1].startswith("summary: peak bandwidth") and "baseline" in lines[-1]
+    assert any(line.split()[0] == "4M" for line in lines[2:-1])
+    plain = format_table(synthetic_result(False))
+    assert "raw us" not in plain and "baseline" not in plain.splitlines()[-1]
+
+
+@pytest.mark.parametrize("baseline", [False, True])
+def test_plot_writes_a_png(baseline: bool, tmp_path: Path) -> None:
+    path = tmp_path / "plot.png"
+    write_plot(synthetic_result(baseline), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_bar() -> None:
+    off = io.StringIO()
+    bar = ProgressBar(3, "x", enabled=False, stream=off)
+    bar.update(1)
+    bar.close()
+    assert off.getvalue() == ""
+    on = io.StringIO()
+    bar = ProgressBar(4, "pingpong", enabled=True, stream=on)
+    bar.update(2, "64K")
+    bar.close()
+    assert on.getvalue().startswith("\rpingpong [") and "2/4 64K" in on.getvalue()
+    assert "\n" not in on.getvalue()
+
+
+# -- one smoke run of the command --------------------------------------------------------------
+
+
+def test_smoke_run_local(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "mate-bench"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "mate.bench"]
+    path = tmp_path / "pp.json"
+    env = {k: v for k, v in os.environ.items() if k != cli.PROGRESS_ENV}
+    done = subprocess.run(
+        [*command, "pingpong", "--transport", "local", "--sizes", "8,1024",
+         "--min-time", "0.001", "--repetitions", "1", "--json", str(path)],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    obj = json.loads(path.read_text())
+    check_schema(obj, baseline=False)
+    assert obj["pattern"] == "pingpong" and obj["transport"] == "local"
+    assert obj["wait"] == "completion"
+    assert [row["size"] for row in obj["rows"]] == [8, 1024]
+    assert "summary: peak bandwidth" in done.stdout
+    assert done.stderr == ""  # no progress bar when stderr is not a terminal

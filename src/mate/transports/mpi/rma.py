@@ -31,6 +31,7 @@ region table is cancelled; that is also when a timeout can end one.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import struct
 import threading
@@ -88,7 +89,7 @@ class _Regions:
             return [(r.address, r.length) for r, _ in self.entries]
 
 
-class _Rma:
+class _Rma(abc.ABC):
     def __init__(self, transport: MpiTransport) -> None:
         self.t = transport
         self.regions = _Regions()
@@ -105,8 +106,9 @@ class _Rma:
 
     put = get = submit
 
+    @abc.abstractmethod
     def start(self, msg: Message) -> None:
-        raise NotImplementedError
+        """Issue a put or get (progress context)."""
 
     def reply(self, dest: int, tag: int, flag: int, value: int = 0) -> None:
         self.t.control_send(dest, HEADER.pack(REPLY, flag, value, 0, 0), tag)

@@ -51,7 +51,7 @@ class _Entry:
 
 MODES = ("poll", "thread", "manual")
 SPIN = 0.002  # seconds of busy polling after the last progress
-SLICE = 50e-6  # longest busy poll inside one loop callback
+SLICE = 500e-6  # longest busy poll inside one loop callback
 MAX_BACKOFF = 0.001  # longest pause between passes while user messages are outstanding,
 LONG_IDLE = 0.05  # ... until this long without progress,
 LONG_IDLE_BACKOFF = 0.004  # ... when waiting gets cheaper still (a message waited on for long)

@@ -192,7 +192,8 @@ class Engine:
         self._scheduled = None
         # Going round the event loop costs a system call; while user messages are
         # outstanding, test again for up to SLICE before yielding to other callbacks.
-        if not self.test() and self.user_outstanding:
+        if (not self.test() and self.user_outstanding
+                and time.monotonic() - self._last_progress < SPIN):  # not once backing off
             give_up = time.monotonic() + SLICE
             while not self.test() and time.monotonic() < give_up:
                 pass

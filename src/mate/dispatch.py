@@ -43,9 +43,6 @@ class Dispatcher:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
 
-    def on_loop_thread(self) -> bool:
-        return threading.get_ident() == self._loop_thread
-
     def call_on_loop(self, fn: Any, *args: Any) -> None:
         """Run `fn(*args)` on the loop's thread: now if already there, else soon."""
         if threading.get_ident() == self._loop_thread:

@@ -154,10 +154,6 @@ class World:
         if self._transport is not None:
             await self._transport.shutdown()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     # -- argument checks -----------------------------------------------------------
 
     def _open(self) -> Transport:

@@ -46,8 +46,6 @@ from mate.transports.mpi.progress import Engine
 
 logger = logging.getLogger("mate")
 
-DEFAULT_EAGER_SIZE = 4096
-
 # Control messages on the ctl communicator: a fixed header, then (eager put) data.
 HEADER = struct.Struct("<BBxxiQQ")  # kind, status, tag, address, length
 CONTROL_TAG = 1  # the standing receive's tag; replies use tags from `new_tag`

@@ -21,3 +21,8 @@ def test_conformance_under_mpiexec(nranks: int, progress: str, rma: str) -> None
 @pytest.mark.parametrize("progress", ["poll", "thread"])
 def test_mpi_specific_under_mpiexec(progress: str) -> None:
     run_under_mpiexec("test_mpi_specific.py", 2, {"progress": progress})
+
+
+@pytest.mark.parametrize("progress", ["poll", "thread"])
+def test_faults_under_mpiexec(progress: str) -> None:
+    run_under_mpiexec("test_faults.py", 2, {"progress": progress})

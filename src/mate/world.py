@@ -79,6 +79,20 @@ class World:
         self.numprocs = transport.numprocs
         self.tag_max = transport.tag_max
 
+    @property
+    def transport(self) -> Transport:
+        """The transport this world posts to (`InvalidArgument` after shutdown)."""
+        return self._open()
+
+    def interpose(self, layer: Transport) -> None:
+        """Put `layer` (which forwards to `self.transport`) between this world and the wire.
+
+        For layers such as `mate.faults.FaultyTransport`. Messages posted
+        before keep working: the layer forwards their cancels.
+        """
+        self._open()
+        self.attach(layer)
+
     # -- the API -----------------------------------------------------------------
 
     def send(self, buffer: Any, dest: int, tag: int = 0, *,

@@ -23,12 +23,19 @@ T = TypeVar("T")
 DEFAULT_LOCAL_RANKS = 2
 
 
+def chosen(transport: str | None) -> str:
+    """The transport `run` uses for `transport` (None: from the environment)."""
+    from mate import _choose_transport
+
+    return _choose_transport(transport)
+
+
 async def run(program: Callable[[World], Awaitable[T]], *, transport: str | None = None,
               ranks: int | None = None, **options: Any) -> list[T]:
     """Run `program` on every rank this process holds; return their results in rank order."""
-    from mate import _choose_transport, startup
+    from mate import startup
 
-    transport = _choose_transport(transport)
+    transport = chosen(transport)
     if transport == "local":
         async with local.worlds(DEFAULT_LOCAL_RANKS if ranks is None else ranks,
                                 **options) as worlds:

@@ -627,6 +627,23 @@ async def program(world: mate.World, config: Config) -> Result | None:
     return Result(config, world.numprocs, len(units), sequential, elapsed, finals)
 
 
+def as_json(result: Result, transport: str) -> dict[str, Any]:
+    """The run's figures, for scripts (bench/work_stealing.py)."""
+    latencies = [t for s in result.stats for t in s["latencies"]]
+    config = result.config
+    return {
+        "model": config.model, "transport": transport, "ranks": result.size,
+        "queens": config.n, "split": config.split, "threshold": config.threshold,
+        "faults": str(config.faults) if config.faults else None, "units": result.units,
+        "elapsed_s": result.elapsed, "sequential_s": result.sequential,
+        "speedup": result.sequential / result.elapsed,
+        "steals": sum(s["steals"] for s in result.stats),
+        "answer_latency_median_ms": statistics.median(latencies) * 1e3 if latencies else None,
+        "busy_s": [s["busy"] for s in result.stats],
+        "verified": not result.problems(),
+    }
+
+
 def show(result: Result, transport: str) -> int:
     """Print the per-rank table and the summary line; return the exit code."""
     print(f"{'rank':>4} {'units':>6} {'solutions':>9} {'busy s':>7} {'steals':>6} "
@@ -679,6 +696,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--faults", default="",
                         help="e.g. drop=0.05,delay=0.05:0.3,fail=0.02 (see mate.faults)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", metavar="FILE", help="also write the run's figures here")
     parser.add_argument("--deadline", type=float, default=120.0,
                         help="give up (NOT verified, exit 1) after this many seconds")
     mate.spmd.add_arguments(parser)
@@ -713,6 +731,9 @@ async def main(argv: list[str] | None = None) -> int:
         return 1
     for result in results:
         if result is not None:
+            if args.json:
+                with open(args.json, "w") as out:
+                    json.dump(as_json(result, transport), out, indent=1)
             return show(result, transport)
     return 0
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from mate.arguments import non_negative, positive_int
 from mate.bench import stats
 from mate.bench.driver import BenchError, Options, run
 from mate.bench.patterns import PATTERNS, SUBMISSION_PATTERNS
@@ -49,26 +50,6 @@ def sizes_argument(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
-    return value
-
-
-def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
-    return value
-
-
 def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared with the other benchmark entry points (mate.bench.tcp)."""
     parser.add_argument("--sizes", type=sizes_argument, default=DEFAULT_SIZES,
@@ -78,7 +59,7 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS,
                         metavar="N", help=f"repetitions per size, median reported "
                                           f"(default {DEFAULT_REPETITIONS})")
-    parser.add_argument("--min-time", type=seconds, default=DEFAULT_MIN_TIME, metavar="S",
+    parser.add_argument("--min-time", type=non_negative, default=DEFAULT_MIN_TIME, metavar="S",
                         help="grow the iteration count until one repetition takes at least "
                              f"S seconds (default {DEFAULT_MIN_TIME})")
     parser.add_argument("--json", metavar="F", help="write the result as JSON (SPEC §5)")
@@ -102,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="what each send/put awaits (default completion)")
     parser.add_argument("--baseline", action="store_true",
                         help="also measure raw mpi4py in the same run (mpi only)")
-    parser.add_argument("--idle", type=seconds, default=1.0, metavar="S",
+    parser.add_argument("--idle", type=non_negative, default=1.0, metavar="S",
                         help="wait pattern: how long rank 1 waits before sending (default 1)")
     add_measurement_arguments(parser)
     return parser

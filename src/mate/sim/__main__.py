@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mate.arguments import non_negative, positive_int
 from mate.sim import (
     DEFAULT_LATENCY,
     DEFAULT_SEED,
@@ -96,26 +97,6 @@ def _processes_arg(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
-    return value
-
-
-def _latency(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be >= 0 and finite, not {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mate.sim",
@@ -133,9 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="LO:HI|N,N,...",
                         help="process counts: a range of powers of two or a comma list, "
                              "K = 1024 (default: 1:16K)")
-    parser.add_argument("--latency", type=_latency, default=DEFAULT_LATENCY,
+    parser.add_argument("--latency", type=non_negative, default=DEFAULT_LATENCY,
                         help=f"network latency in work-time units (default: {DEFAULT_LATENCY})")
-    parser.add_argument("--units", type=_positive_int, default=DEFAULT_UNITS,
+    parser.add_argument("--units", type=positive_int, default=DEFAULT_UNITS,
                         help=f"number of work units (default: {DEFAULT_UNITS})")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
                         help=f"seed of the workload and the random targets "

@@ -37,7 +37,8 @@ rank 0 sends STOP, and every rank answers with its statistics (FINAL).
 The check: the solutions add up to the known count, and the finished units'
 numbers add up (their count, sum and sum of squares are those of 0..U-1), so no
 unit was lost or done twice. Rank 0 also counts sequentially, once, for the
-speed-up over one rank.
+speed-up over one rank (not shown for the local transport, where every rank
+shares one process, one event loop and one core).
 
 `--model` picks how messages are handled (§3.4):
 
@@ -627,6 +628,12 @@ async def program(world: mate.World, config: Config) -> Result | None:
     return Result(config, world.numprocs, len(units), sequential, elapsed, finals)
 
 
+def speedup(result: Result, transport: str) -> float | None:
+    """The speed-up over one rank alone, or None on the local transport: there all ranks
+    share one process, one event loop and one core, so the ratio is no speed-up."""
+    return None if transport == "local" else result.sequential / result.elapsed
+
+
 def as_json(result: Result, transport: str) -> dict[str, Any]:
     """The run's figures, for scripts (bench/work_stealing.py)."""
     latencies = [t for s in result.stats for t in s["latencies"]]
@@ -636,7 +643,7 @@ def as_json(result: Result, transport: str) -> dict[str, Any]:
         "queens": config.n, "split": config.split, "threshold": config.threshold,
         "faults": str(config.faults) if config.faults else None, "units": result.units,
         "elapsed_s": result.elapsed, "sequential_s": result.sequential,
-        "speedup": result.sequential / result.elapsed,
+        "speedup": speedup(result, transport),
         "steals": sum(s["steals"] for s in result.stats),
         "answer_latency_median_ms": statistics.median(latencies) * 1e3 if latencies else None,
         "busy_s": [s["busy"] for s in result.stats],
@@ -663,13 +670,13 @@ def show(result: Result, transport: str) -> int:
         print("faults injected: " + ", ".join(f"{k} {v}" for k, v in injected.items())
               + f"; grants refused after a 'no': {sum(s['refused'] for s in result.stats)}")
     config = result.config
-    speedup = result.sequential / result.elapsed
+    gain = speedup(result, transport)
+    over_one = "" if gain is None else f", {gain:.2f}x over one rank ({result.sequential:.3f} s)"
     steals = sum(s["steals"] for s in result.stats)
     what = (f"work stealing ({config.model}, {transport}, {result.size} ranks"
             f"{', faults ' + str(config.faults) if config.faults else ''}): "
             f"{sum(s['solutions'] for s in result.stats)} solutions of {config.n}-queens in "
-            f"{result.elapsed:.3f} s, {speedup:.2f}x over one rank ({result.sequential:.3f} s); "
-            f"{result.units} units, {steals} steals")
+            f"{result.elapsed:.3f} s{over_one}; {result.units} units, {steals} steals")
     problems = result.problems()
     if problems:
         print(f"{what}: NOT verified: {'; '.join(problems)}")

@@ -13,13 +13,16 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from mate.bench import cli, stats
+from mate.bench import cli, driver, stats
 from mate.bench.measure import Measurement, Sample, measure
 from mate.bench.report import (
     ROW_KEYS,
@@ -28,7 +31,9 @@ from mate.bench.report import (
     ProgressBar,
     Result,
     Row,
-    format_table,
+    format_head,
+    format_row,
+    format_summary,
     write_plot,
 )
 
@@ -311,6 +316,12 @@ def test_json_schema(baseline: bool, tmp_path: Path) -> None:
         assert obj["rows"][1]["bandwidth_ratio"] == pytest.approx(0.5)
 
 
+def format_table(result: Result) -> str:
+    """The table as mate-bench prints it, row by row, then the summary."""
+    rows = [format_row(row, result.has_baseline) for row in result.rows]
+    return "\n".join([format_head(result, result.has_baseline), *rows, format_summary(result)])
+
+
 def test_table(baseline: bool = True) -> None:
     text = format_table(synthetic_result(baseline))
     lines = text.splitlines()
@@ -333,12 +344,12 @@ def test_progress_bar() -> None:
     off = io.StringIO()
     bar = ProgressBar(3, "x", enabled=False, stream=off)
     bar.update(1)
-    bar.close()
+    bar.clear()
     assert off.getvalue() == ""
     on = io.StringIO()
     bar = ProgressBar(4, "pingpong", enabled=True, stream=on)
     bar.update(2, "64K")
-    bar.close()
+    bar.clear()
     assert on.getvalue().startswith("\rpingpong [") and "2/4 64K" in on.getvalue()
     assert "\n" not in on.getvalue()
 
@@ -363,3 +374,123 @@ def test_smoke_run_local(tmp_path: Path) -> None:
     assert [row["size"] for row in obj["rows"]] == [8, 1024]
     assert "summary: peak bandwidth" in done.stdout
     assert done.stderr == ""  # no progress bar when stderr is not a terminal
+
+
+# -- issue 13: friction seen as a new user -------------------------------------------------------
+
+
+def bench_env() -> dict[str, str]:
+    """The environment of a user's shell: no progress bar forced, no unbuffered stdout."""
+    return {k: v for k, v in os.environ.items() if k not in (cli.PROGRESS_ENV, "PYTHONUNBUFFERED")}
+
+
+def test_piped_output_comes_as_it_is_measured() -> None:
+    """Piped, mate-bench used to print nothing until the end: the head must arrive before
+    the measurement, not with the rows after it."""
+    script = Path(sys.executable).parent / "mate-bench"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "mate.bench"]
+    idle = 1.0
+    with subprocess.Popen([*command, "wait", "--transport", "local", "--idle", str(idle),
+                           "--repetitions", "1"], stdout=subprocess.PIPE, text=True,
+                          env=bench_env()) as process:
+        assert process.stdout is not None
+        head = process.stdout.readline()
+        head_time = time.monotonic()
+        rest = process.stdout.read()
+        rest_time = time.monotonic()
+    assert process.returncode == 0
+    assert head.startswith("# mate-bench wait local")
+    assert rest_time - head_time >= idle / 2, "the head came only with the rows"
+    assert rest.splitlines()[1].split()[0] == "8"
+
+
+def test_rows_are_printed_as_they_are_measured(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The head is printed before the first size is measured, each row before the next."""
+    monkeypatch.delenv(cli.PROGRESS_ENV, raising=False)
+    printed = ""
+    before: dict[int, str] = {}
+    measure_size = driver._measure
+
+    async def spy(opts: driver.Options, batch: Any, size: int) -> Measurement:
+        nonlocal printed
+        printed += capsys.readouterr().out
+        before[size] = printed
+        return await measure_size(opts, batch, size)
+
+    monkeypatch.setattr(driver, "_measure", spy)
+    cli.main(["pingpong", "--transport", "local", "--sizes", "8,16", "--min-time", "0",
+              "--repetitions", "1"])
+    printed += capsys.readouterr().out
+    assert before[8].startswith("# mate-bench pingpong local")
+    assert "latency us" in before[8] and "summary" not in before[8]
+    assert [line.split()[0] for line in before[16].splitlines()[2:]] == ["8"]
+    assert printed.splitlines()[-1].startswith("summary: peak bandwidth")
+
+
+def test_help_shows_a_single_percent_sign() -> None:
+    """The epilog is not %-formatted by argparse: '%%' came out literally."""
+    text = cli.build_parser().format_help()
+    assert "CPU %" in text and "%%" not in text
+
+
+def wait_result(baseline: bool) -> Result:
+    mate = Measurement(8, (Sample(1, 1.0, 0.03),))
+    raw = Measurement(8, (Sample(1, 1.0, 1.0),))
+    return Result("wait", "mpi", "thread", "completion", "testhost",
+                  [Row.from_measurements(mate, raw if baseline else None)])
+
+
+@pytest.mark.parametrize("baseline", [False, True])
+def test_wait_summary_is_the_cpu_used_while_waiting(baseline: bool) -> None:
+    """The wait pattern measures CPU, not bandwidth: its summary said 'peak bandwidth 0.0
+    MB/s, n1/2 8'."""
+    result = wait_result(baseline)
+    line = format_summary(result)
+    assert line.startswith("summary:") and "3.0 % of a core" in line
+    assert "bandwidth" not in line and "n1/2" not in line
+    assert ("100.0 %" in line) == baseline
+    summary = result.to_json()["summary"]
+    assert set(summary) == set(SUMMARY_KEYS)  # the schema stays, with nulls
+    assert all(value is None for value in summary.values())
+
+
+def test_plot_size_axis_ticks_whole_bytes_within_the_sizes(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """From 1 B, the log axis had a tick at 0.5 (bytes) left of the data."""
+    from matplotlib.figure import Figure
+
+    figures: list[Figure] = []
+    savefig = Figure.savefig
+
+    def keep(self: Figure, *args: Any, **kwargs: Any) -> None:
+        figures.append(self)
+        savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    rows = [Row(size, 5.0 + size / 1e3, size / (5.0 + size / 1e3), 10.0)
+            for size in stats.parse_sizes("1:4M")]
+    write_plot(Result("pingpong", "local", None, "completion", "testhost", rows),
+               tmp_path / "plot.png")
+    (figure,) = figures
+    for ax in figure.axes:
+        lo, hi = ax.get_xlim()
+        assert 0.5 < lo <= 1 and 4 * M <= hi < 8 * M
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        formatter = ax.xaxis.get_major_formatter()
+        labels = [formatter(t, i) for i, t in enumerate(ticks)]
+        assert ticks and all(t >= 1 and t == int(t) for t in ticks), ticks
+        assert all(re.fullmatch(r"\d+[KM]?", label) for label in labels), labels
+        assert formatter(0.5, 0) == "" and formatter(1536.5, 0) == ""  # whole bytes only
+
+
+def test_written_files_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """--json and --plot wrote their files without a word."""
+    monkeypatch.delenv(cli.PROGRESS_ENV, raising=False)
+    json_path, plot_path = tmp_path / "r.json", tmp_path / "r.png"
+    cli.main(["pingpong", "--transport", "local", "--sizes", "8", "--min-time", "0",
+              "--repetitions", "1", "--json", str(json_path), "--plot", str(plot_path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2:] == [f"wrote {json_path}", f"wrote {plot_path}"]
+    assert json_path.exists() and plot_path.exists()

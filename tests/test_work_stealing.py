@@ -103,6 +103,28 @@ def test_the_check_catches_lost_duplicated_and_wrong_work() -> None:
         assert bad.problems(), bad
 
 
+def test_speed_up_is_shown_only_where_it_means_something(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """On the local transport every rank shares one process, one loop and one core: a
+    speed-up over one rank ("0.02x") means nothing there, so it is left out."""
+    units = ws.units_of(8, 2)
+    stats = [attrs.asdict(ws.Stats(0, units=len(units), number_sum=sum(range(len(units))),
+                                   number_squares=sum(i * i for i in range(len(units))),
+                                   solutions=92)),
+             attrs.asdict(ws.Stats(1))]
+    result = ws.Result(config(n=8, split=2), 2, len(units), 0.02, 1.0, stats)
+    shown = {}
+    for transport in ("local", "mpi"):
+        assert ws.show(result, transport) == 0
+        shown[transport] = capsys.readouterr().out.strip().splitlines()[-1]
+        assert "verified" in shown[transport] and "NOT" not in shown[transport]
+        assert ws.as_json(result, transport)["verified"]
+    assert "over one rank" not in shown["local"] and "0.02x" not in shown["local"]
+    assert ws.as_json(result, "local")["speedup"] is None
+    assert "0.02x over one rank" in shown["mpi"]
+    assert ws.as_json(result, "mpi")["speedup"] == pytest.approx(0.02)
+
+
 # -- runs on the local transport ----------------------------------------------------------------
 
 
@@ -227,3 +249,4 @@ def test_script_under_mpi(model: str) -> None:
 def test_script_under_mpi_with_handlers_on_the_progress_thread() -> None:
     assert_verified(run_script("--transport", "mpi", "--progress", "thread", "--handlers",
                                "progress", "-n", "10", launcher=MATE_RUN))
+

@@ -22,24 +22,26 @@ from mate.arguments import non_negative, positive_int
 from mate.bench import stats
 from mate.bench.driver import BenchError, Options, run
 from mate.bench.patterns import PATTERNS, SUBMISSION_PATTERNS
-from mate.bench.report import Result, format_table, write_plot
+from mate.bench.report import Result, format_summary, write_plot
 
 DEFAULT_SIZES = "1:4M"
 DEFAULT_MIN_TIME = 0.05
 DEFAULT_REPETITIONS = 5
 PROGRESS_ENV = "MATE_BENCH_PROGRESS"  # "1"/"0": show the progress bar (set for the ranks)
 
+# A single % here: argparse %-formats an epilog only when it holds "%(prog)".
 PATTERN_HELP = """\
 patterns:
   pingpong  rank 0 sends, rank 1 answers; latency = half the round trip
   pingping  both ranks send and receive at once; latency = time per exchange
   put       rank 0 writes into memory rank 1 exposed (one-sided push)
   get       rank 0 reads memory rank 1 exposed (one-sided pull)
-  wait      rank 0 waits --idle s (default 1) for one message: its CPU %% is the figure
+  wait      rank 0 waits --idle s (default 1) for one message: its CPU % is the figure
 
 figures per size: median over --repetitions of the time per operation (µs),
-bandwidth = size / latency (MB/s, MB = 10^6 bytes), CPU %% = getrusage user+sys
-over wall time on rank 0 (all its threads); summary: peak bandwidth and n1/2.
+bandwidth = size / latency (MB/s, MB = 10^6 bytes), CPU % = getrusage user+sys
+over wall time on rank 0 (all its threads); summary: peak bandwidth and n1/2
+(wait: the CPU % that waiting cost).
 """
 
 
@@ -131,12 +133,15 @@ def options(args: argparse.Namespace) -> Options:
 
 
 def emit(result: Result, args: argparse.Namespace) -> None:
-    """Print the table and write the files asked for (rank 0 only)."""
-    print(format_table(result), flush=True)
+    """Print the summary under the rows already printed, and write the files asked for,
+    saying where (rank 0 only)."""
+    print(format_summary(result), flush=True)
     if args.json:
         result.write_json(args.json)
+        print(f"wrote {args.json}", flush=True)
     if args.plot:
         write_plot(result, args.plot)
+        print(f"wrote {args.plot}", flush=True)
 
 
 def launch(argv: Sequence[str]) -> int:

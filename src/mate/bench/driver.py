@@ -22,7 +22,7 @@ import mate
 from mate.bench import stats
 from mate.bench.measure import Batch, Measurement, measure
 from mate.bench.patterns import DIVISOR, MateBench, RawBench
-from mate.bench.report import ProgressBar, Result, Row
+from mate.bench.report import ProgressBar, Result, Row, format_head, show_row
 
 WAIT_SIZE = 8  # the wait pattern ignores --sizes
 
@@ -94,11 +94,12 @@ async def _measure(opts: Options, batch: Batch, size: int) -> Measurement:
                          divisor=divisor)
 
 
-async def _lead(opts: Options, bench: MateBench, raw: RawBench | None) -> list[Row]:
-    """Rank 0: the sweep, mate then (with a baseline) raw at every size."""
+async def _lead(opts: Options, bench: MateBench, raw: RawBench | None, result: Result) -> None:
+    """Rank 0: the sweep, mate then (with a baseline) raw at every size, into `result`;
+    the table goes to stdout as the sweep goes."""
     sizes = opts.sweep
     bar = ProgressBar(len(sizes), f"{opts.pattern} {opts.transport}", opts.show_progress)
-    rows = []
+    print(format_head(result, raw is not None), flush=True)
     try:
         for i, size in enumerate(sizes):
             bar.update(i, f"{stats.format_size(size)} B mate")
@@ -109,11 +110,11 @@ async def _lead(opts: Options, bench: MateBench, raw: RawBench | None) -> list[R
                 bar.update(i, f"{stats.format_size(size)} B raw ")
                 theirs = await _measure(opts, raw.batch(size), size)
                 raw.end_phase(size)
-            rows.append(Row.from_measurements(mine, theirs))
+            result.rows.append(Row.from_measurements(mine, theirs))
+            show_row(result.rows[-1], raw is not None, bar)
         bar.update(len(sizes), "done")
     finally:
-        bar.close()
-    return rows
+        bar.clear()
 
 
 async def _serve(opts: Options, bench: MateBench, raw: RawBench | None) -> None:
@@ -133,9 +134,8 @@ async def run_local(opts: Options) -> Result:
         lead = MateBench(w0, opts.pattern, opts.wait, opts.sweep, opts.idle)
         serve = MateBench(w1, opts.pattern, opts.wait, opts.sweep, opts.idle)
         await asyncio.gather(lead.setup(), serve.setup())
-        rows, _ = await asyncio.gather(_lead(opts, lead, None), _serve(opts, serve, None))
+        await asyncio.gather(_lead(opts, lead, None, result), _serve(opts, serve, None))
         await asyncio.gather(lead.teardown(), serve.teardown())
-    result.rows = rows
     return result
 
 
@@ -152,9 +152,10 @@ async def run_mpi(opts: Options) -> Result | None:
         await bench.setup()
         if raw is not None:
             raw.setup()
-        rows = None
+        result: Result | None = None
         if world.mypid == 0:
-            rows = await _lead(opts, bench, raw)
+            result = new_result(opts)
+            await _lead(opts, bench, raw, result)
         else:
             await _serve(opts, bench, raw)
         await bench.teardown()
@@ -167,10 +168,6 @@ async def run_mpi(opts: Options) -> Result | None:
             await world.send(token, 0, 3)
         if raw is not None:
             raw.teardown()
-    if rows is None:
-        return None
-    result = new_result(opts)
-    result.rows = rows
     return result
 
 

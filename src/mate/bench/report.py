@@ -115,6 +115,8 @@ class Result:
 
     @property
     def summary(self) -> Summary:
+        if self.pattern == "wait":  # one small message after a long wait: no bandwidth
+            return Summary(None, None, None, None)
         return Summary.of(self.rows)
 
     @property
@@ -160,26 +162,33 @@ def _num(value: float | None, width: int, digits: int = 2) -> str:
     return f"{value:{width}.{digits}f}"
 
 
-def format_table(result: Result) -> str:
-    """The table for stdout, with the summary line(s) at the end."""
-    baseline = result.has_baseline
+def format_head(result: Result, baseline: bool) -> str:
+    """The title and column heads of the table (with the raw columns if `baseline`)."""
     head = f"{'size':>8} {'latency us':>11} {'MB/s':>10} {'CPU %':>7} {'iters':>8}"
     if baseline:
         head += (f"  {'raw us':>10} {'raw MB/s':>10} {'raw CPU%':>8}"
                  f"  {'lat ratio':>9} {'bw ratio':>8}")
-    lines = [f"# mate-bench {result.title()}  host={result.host}", head]
-    for row in result.rows:
-        line = (f"{stats.format_size(row.size):>8} {_num(row.latency_us, 11)} "
-                f"{_num(row.bandwidth_MBps, 10)} {_num(row.cpu_percent, 7, 1)} "
-                f"{row.iterations:>8}")
-        if baseline:
-            line += (f"  {_num(row.baseline_latency_us, 10)} "
-                     f"{_num(row.baseline_bandwidth_MBps, 10)} "
-                     f"{_num(row.baseline_cpu_percent, 8, 1)}"
-                     f"  {_num(row.latency_ratio, 9)} {_num(row.bandwidth_ratio, 8)}")
-        lines.append(line)
-    lines.append(format_summary(result))
-    return "\n".join(lines)
+    return f"# mate-bench {result.title()}  host={result.host}\n{head}"
+
+
+def format_row(row: Row, baseline: bool) -> str:
+    """One line of the table, under `format_head`."""
+    line = (f"{stats.format_size(row.size):>8} {_num(row.latency_us, 11)} "
+            f"{_num(row.bandwidth_MBps, 10)} {_num(row.cpu_percent, 7, 1)} "
+            f"{row.iterations:>8}")
+    if baseline:
+        line += (f"  {_num(row.baseline_latency_us, 10)} "
+                 f"{_num(row.baseline_bandwidth_MBps, 10)} "
+                 f"{_num(row.baseline_cpu_percent, 8, 1)}"
+                 f"  {_num(row.latency_ratio, 9)} {_num(row.bandwidth_ratio, 8)}")
+    return line
+
+
+def show_row(row: Row, baseline: bool, bar: ProgressBar) -> None:
+    """Print a row as soon as it is measured: flushed, since piped stdout would hold every
+    row until the end of the sweep, and on a line of its own rather than after the bar."""
+    bar.clear()
+    print(format_row(row, baseline), flush=True)
 
 
 def _plain(value: float | None, digits: int = 1) -> str:
@@ -191,6 +200,9 @@ def _size_or_dash(value: float | None) -> str:
 
 
 def format_summary(result: Result) -> str:
+    """The summary line under the table."""
+    if result.pattern == "wait":
+        return _wait_summary(result)
     s = result.summary
     line = (f"summary: peak bandwidth {_plain(s.peak_bandwidth_MBps)} MB/s, "
             f"n1/2 {_size_or_dash(s.n_half)}")
@@ -200,6 +212,16 @@ def format_summary(result: Result) -> str:
         peak_ratio = stats.ratio(s.peak_bandwidth_MBps, s.baseline_peak_bandwidth_MBps)
         half_ratio = stats.ratio(s.n_half, s.baseline_n_half)
         line += f"; MATE/raw: peak {_plain(peak_ratio, 2)}, n1/2 {_plain(half_ratio, 2)}"
+    return line
+
+
+def _wait_summary(result: Result) -> str:
+    """The wait pattern's figure is the CPU that waiting costs, not a bandwidth."""
+    (row,) = result.rows  # the pattern has a single size
+    line = (f"summary: waiting {row.latency_us / 1e6:.2f} s for one message used "
+            f"{row.cpu_percent:.1f} % of a core")
+    if row.baseline_cpu_percent is not None:
+        line += f"; raw mpi4py (blocking Recv): {row.baseline_cpu_percent:.1f} %"
     return line
 
 
@@ -226,7 +248,8 @@ class ProgressBar:
         self.stream.write("\r" + text + " " * pad)
         self.stream.flush()
 
-    def close(self) -> None:
+    def clear(self) -> None:
+        """Erase the bar, e.g. before a line goes to stdout; `update` draws it again."""
         if self.enabled and self._width:
             self.stream.write("\r" + " " * self._width + "\r")
             self.stream.flush()
@@ -236,8 +259,12 @@ class ProgressBar:
 # -- the plot -----------------------------------------------------------------------------------
 
 
+SIZE_MARGIN = 2 ** 0.25  # room left and right of the sizes on the size axis, as a factor
+
+
 def _size_tick(value: float, _position: float) -> str:
-    return stats.format_size(value) if value >= 1 else f"{value:g}"
+    """Whole bytes only, K and M binary: no label between them (a tick at 0.5 B)."""
+    return stats.format_size(value) if value >= 1 and value == int(value) else ""
 
 
 def write_plot(result: Result, path: str | Path) -> None:
@@ -274,6 +301,8 @@ def write_plot(result: Result, path: str | Path) -> None:
         if rows:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            # Matplotlib's margins go below 1 B (a tick at 0.5): keep to the sizes.
+            ax.set_xlim(min(sizes) / SIZE_MARGIN, max(sizes) * SIZE_MARGIN)
             ax.xaxis.set_major_formatter(FuncFormatter(_size_tick))
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel(ylabel)

@@ -24,7 +24,7 @@ from typing import Any
 
 from mate.bench import stats
 from mate.bench.measure import Batch, Sample, clock, measure
-from mate.bench.report import ProgressBar, Result, Row, format_table, write_plot
+from mate.bench.report import ProgressBar, Result, Row, format_head, show_row
 
 TRANSPORT = "tcp-loopback"
 HOST = "127.0.0.1"
@@ -83,6 +83,7 @@ async def run_tcp(sizes: Sequence[int], *, min_time: float, repetitions: int,
     out = memoryview(bytearray(b"\x5a" * largest))
     process, port = await _start_server(uvloop)
     bar = ProgressBar(len(sizes), f"pingpong {TRANSPORT}", show_progress)
+    print(format_head(result, baseline=False), flush=True)  # then each row as measured
     try:
         reader, writer = await asyncio.open_connection(HOST, port)
         try:
@@ -91,13 +92,14 @@ async def run_tcp(sizes: Sequence[int], *, min_time: float, repetitions: int,
                 m = await measure(_batch(reader, writer, out[:size]), size,
                                   min_time=min_time, repetitions=repetitions, divisor=2)
                 result.rows.append(Row.from_measurements(m))
+                show_row(result.rows[-1], False, bar)
             bar.update(len(sizes), "done")
         finally:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
     finally:
-        bar.close()
+        bar.clear()
         try:
             await asyncio.wait_for(process.wait(), 5.0)
         except TimeoutError:
@@ -122,7 +124,7 @@ def _batch(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from mate.bench.cli import PROGRESS_ENV, add_measurement_arguments
+    from mate.bench.cli import PROGRESS_ENV, add_measurement_arguments, emit
 
     parser = argparse.ArgumentParser(prog="python -m mate.bench.tcp",
                                      description=__doc__.splitlines()[0])
@@ -141,11 +143,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     result = runner(run_tcp(args.sizes, min_time=args.min_time, repetitions=args.repetitions,
                             show_progress=sys.stderr.isatty() if show is None else show == "1",
                             uvloop=args.uvloop))
-    print(format_table(result), flush=True)
-    if args.json:
-        result.write_json(args.json)
-    if args.plot:
-        write_plot(result, args.plot)
+    emit(result, args)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,17 @@ from mate.errors import InvalidArgument
 def byte_view(obj: Any, *, writable: bool, what: str) -> memoryview:
     """A flat byte view of `obj`, or InvalidArgument saying why it cannot be used."""
     try:
-        view = obj if type(obj) is memoryview else memoryview(obj)
+        # Our own view, even of a memoryview: the caller may release theirs while
+        # the message is in flight, and ours keeps the memory (SPEC §2, Buffers).
+        view = memoryview(obj)
     except TypeError:
         raise InvalidArgument(
             f"{what} must support the buffer protocol (bytes, bytearray, memoryview, "
             f"NumPy array), not {type(obj).__name__}"
         ) from None
+    except (ValueError, BufferError) as exc:
+        # e.g. a released memoryview, or an exporter that refuses a view of itself
+        raise InvalidArgument(f"{what} cannot be used: {exc}") from exc
     if not view.c_contiguous:
         raise InvalidArgument(f"{what} must be C-contiguous; copy it first (e.g. bytes(...))")
     if writable and view.readonly:

@@ -1,5 +1,8 @@
-"""N ranks in one process: ``async with mate.local.worlds(n) as worlds:``."""
+"""N ranks in one process: ``async with mate.local.worlds(n) as worlds:``.
 
-from mate.transports.local import DEFAULT_EAGER_LIMIT, open_worlds, worlds
+A group has at most `MAX_RANKS` (2**20) ranks; each costs about 2 KB of memory.
+"""
 
-__all__ = ["DEFAULT_EAGER_LIMIT", "open_worlds", "worlds"]
+from mate.transports.local import DEFAULT_EAGER_LIMIT, MAX_RANKS, open_worlds, worlds
+
+__all__ = ["DEFAULT_EAGER_LIMIT", "MAX_RANKS", "open_worlds", "worlds"]

@@ -26,3 +26,9 @@ def test_mpi_specific_under_mpiexec(progress: str) -> None:
 @pytest.mark.parametrize("progress", ["poll", "thread"])
 def test_faults_under_mpiexec(progress: str) -> None:
     run_under_mpiexec("test_faults.py", 2, {"progress": progress})
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize(("progress", "rma"), MODES)
+def test_adversarial_under_mpiexec(nranks: int, progress: str, rma: str) -> None:
+    run_under_mpiexec("test_adversarial.py", nranks, {"progress": progress, "rma": rma})

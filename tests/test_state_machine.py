@@ -325,7 +325,7 @@ class Recorder:
 async def fake_world(**kwargs: object) -> tuple[World, FakeTransport]:
     world = World(asyncio.get_running_loop(), default_timeout=1.0, handlers="loop")
     transport = FakeTransport()
-    transport.sink = world  # type: ignore[attr-defined]
+    transport.bind(world)
     world.attach(transport)
     return world, transport
 

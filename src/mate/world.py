@@ -34,6 +34,7 @@ from mate.schedule import Op, Region, Schedule, State
 from mate.transports.base import Transport
 
 _NO_SCHEDULE = Schedule()
+ADDRESS_LIMIT = 2**64  # one past the last byte a region can hold
 Timeout = float | None | UnsetType
 
 
@@ -122,7 +123,7 @@ class World:
         transport = self._open()
         view = byte_view(buffer, writable=False, what="put buffer")
         dest = self._rank(dest, "dest", wildcard=False)
-        address = self._address(address)
+        address = self._address(address, len(view))
         return self._post(transport, Op.PUT, view, dest, 0, address, schedule, timeout)
 
     def get(self, buffer: Any, source: int, address: int, *,
@@ -131,7 +132,7 @@ class World:
         transport = self._open()
         view = byte_view(buffer, writable=True, what="get buffer")
         source = self._rank(source, "source", wildcard=False)
-        address = self._address(address)
+        address = self._address(address, len(view))
         return self._post(transport, Op.GET, view, source, 0, address, schedule, timeout)
 
     def expose(self, buffer: Any) -> Region:
@@ -154,6 +155,13 @@ class World:
     def progress(self) -> None:
         """Drive progress by hand (mate_progress); a no-op with independent progress."""
         self._open().progress()
+
+    def stats(self) -> dict[str, int]:
+        """Counters: messages outstanding here, and the transport's own counters."""
+        transport = self._open()
+        with self._lock:
+            outstanding = len(self._outstanding)
+        return {"outstanding": outstanding, **transport.stats()}
 
     async def shutdown(self) -> None:
         """Cancel every outstanding message (no handlers run) and release the transport."""
@@ -211,7 +219,8 @@ class World:
         return value
 
     @staticmethod
-    def _address(address: Any) -> int:
+    def _address(address: Any, length: int) -> int:
+        """A target address: `[address, address + length)` must fit in 64 bits."""
         if isinstance(address, bool):
             raise InvalidArgument(f"address must be an int, not {address!r}")
         try:
@@ -222,6 +231,9 @@ class World:
             ) from None
         if value < 0:
             raise InvalidArgument(f"address must be >= 0, not {value}")
+        if value >= ADDRESS_LIMIT or value + length > ADDRESS_LIMIT:  # no region can hold it
+            raise InvalidArgument(
+                f"[{value:#x}, +{length}) ends past 2**64: no exposed region can hold it")
         return value
 
     def _post(self, transport: Transport, op: Op, view: memoryview, peer: int, tag: int,

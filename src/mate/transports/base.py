@@ -88,6 +88,16 @@ class Transport(abc.ABC):
     tag_max: int
     #: Whether the transport can report from a progress thread (handlers="progress").
     supports_progress_handlers: bool = False
+    _sink: Sink
+
+    @property
+    def sink(self) -> Sink:
+        """Where this transport reports."""
+        return self._sink
+
+    def bind(self, sink: Sink) -> None:
+        """Report to `sink` from now on: a layer (`mate.faults`) puts itself here."""
+        self._sink = sink
 
     @abc.abstractmethod
     def post(self, msg: Message) -> None:
@@ -110,6 +120,10 @@ class Transport(abc.ABC):
 
     def awaiting(self, msg: Message) -> None:  # noqa: B027 - see above
         """A task has started awaiting `msg`: transports driven by hand drive it until done."""
+
+    def stats(self) -> dict[str, int]:
+        """The transport's counters (`world.stats()`); none by default."""
+        return {}
 
     @abc.abstractmethod
     async def shutdown(self) -> None:

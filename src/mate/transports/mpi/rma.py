@@ -24,9 +24,16 @@ into the destination, the origin sends the data, the target acknowledges
 (rendezvous). The target checks its own regions; unexposing waits until no
 transfer into or out of the region is in flight.
 
-Once issued, put and get cannot be cancelled (MPI offers no way to stop an
-RMA operation): they complete or fail. Only an operation still waiting for a
-region table is cancelled; that is also when a timeout can end one.
+Once issued, put and get cannot be recalled (MPI offers no way to stop an RMA
+operation), but one with an armed timeout can be *abandoned*: it works on an
+internal copy (put: the data, copied at post, so it is submitted at once;
+get: a scratch buffer, copied into the user's buffer only on completion), so
+a timeout or a cancel ends the message at once, in the progress context,
+whatever the target does. An abandoned put may still land at the target
+(like a send that timed out); an abandoned get never writes the user's buffer.
+Without a timeout an operation works on the user's buffer and can be
+cancelled only while it waits for a region table; otherwise it completes or
+fails.
 """
 
 from __future__ import annotations
@@ -53,7 +60,30 @@ TABLE_REQUEST, TABLE, REVOKE, REVOKE_ACK, GET, GET_REFUSED, PUT, PUT_RTS, REPLY 
 OK, REFUSED = 0, 1
 ENTRY = struct.Struct("<QQ")  # (address, length) of a region in a table reply
 MAX_REGIONS = 4096
-_WAITING = "waiting for the region table"
+
+
+class _Op:
+    """The transport's state for one put or get (the message's `transport_data`)."""
+
+    __slots__ = ("abandoned", "copied", "data", "ended", "request", "submitted", "waiting")
+
+    def __init__(self, msg: Message, *, copy: bool) -> None:
+        self.copied = copy  # works on `data`, not the user's buffer: can be abandoned
+        if not copy:
+            self.data: bytes | bytearray | memoryview = msg.buffer
+        elif msg.op is Op.PUT:
+            self.data = bytes(msg.buffer)
+        else:
+            self.data = bytearray(len(msg.buffer))
+        self.waiting = False  # native: queued until the target's region table arrives
+        self.submitted = False
+        self.ended = False  # its terminal outcome was reported
+        self.abandoned = False  # timed out or cancelled: whatever happens next is ignored
+        self.request: MPI.Request | None = None  # emulated get: the data's receive
+
+    @property
+    def live(self) -> bool:
+        return not (self.ended or self.abandoned)
 
 
 class _Regions:
@@ -94,15 +124,9 @@ class _Rma(abc.ABC):
         self.t = transport
         self.regions = _Regions()
 
-    def in_progress_context(self) -> bool:
-        return self.t.engine.mode != "thread"
-
     def submit(self, msg: Message) -> None:
-        """Start a put or get in the progress context (now, unless a thread owns it)."""
-        if self.in_progress_context():
-            self.start(msg)
-        else:
-            self.t.engine.call(self.start, msg)
+        """Start a put or get in the progress context, after the posting call returns."""
+        self.t.engine.call(self.start, msg, owner=msg)
 
     put = get = submit
 
@@ -110,14 +134,42 @@ class _Rma(abc.ABC):
     def start(self, msg: Message) -> None:
         """Issue a put or get (progress context)."""
 
+    def cancel(self, msg: Message) -> None:
+        """Abandon `msg` if it works on a copy (progress context); see the docstring."""
+        op: _Op | None = msg.transport_data
+        if op is not None and op.live and op.copied:
+            op.abandoned = True
+            self.t.report(self.t.sink.cancelled, msg)
+
+    def report_submitted(self, msg: Message) -> None:
+        op: _Op = msg.transport_data
+        if op.live and not op.submitted:
+            op.submitted = True
+            self.t.report(self.t.sink.submitted, msg)
+
+    def report_completed(self, msg: Message) -> None:
+        op: _Op = msg.transport_data
+        if op.live:
+            op.ended = True
+            if msg.op is Op.GET and op.copied:
+                msg.buffer[:] = op.data
+            self.t.report(self.t.sink.completed, msg, len(msg.buffer), msg.peer, 0)
+
+    def report_failed(self, msg: Message, reason: FailureReason, detail: str,
+                      cause: BaseException | None = None) -> None:
+        op: _Op = msg.transport_data
+        if op.live:
+            op.ended = True
+            self.t.report(self.t.sink.failed, msg, reason, detail, cause=cause)
+
     def reply(self, dest: int, tag: int, flag: int, value: int = 0) -> None:
         self.t.control_send(dest, HEADER.pack(REPLY, flag, value, 0, 0), tag)
 
-    def refuse(self, msg: Message, why: str = "") -> None:
+    def refuse(self, msg: Message) -> None:
         n = len(msg.buffer)
-        self.t.report(self.t.sink.failed, msg, FailureReason.REMOTE_ACCESS,
-                      why or f"[{msg.address:#x}, +{n}) is not inside a region "
-                             f"rank {msg.peer} exposed")
+        self.report_failed(msg, FailureReason.REMOTE_ACCESS,
+                           f"[{msg.address:#x}, +{n}) is not inside a region "
+                           f"rank {msg.peer} exposed")
 
     def resolve(self, future: asyncio.Future[None]) -> None:
         def wake() -> None:
@@ -148,44 +200,47 @@ class NativeRma(_Rma):
     # -- origin side ---------------------------------------------------------------------
 
     def start(self, msg: Message, refreshed: bool = False) -> None:
+        op: _Op = msg.transport_data
+        if op is None:  # first start: an operation with a timeout can be abandoned
+            op = msg.transport_data = _Op(msg, copy=msg.deadline is not None)
         peer, n = msg.peer, len(msg.buffer)
         table = self.tables.get(peer)
         inside = table is not None and any(a <= msg.address and msg.address + n <= a + size
                                            for a, size in table)
         if not inside and (table is None or not refreshed):
-            msg.transport_data = _WAITING
+            op.waiting = True
             queue = self.waiting.setdefault(peer, [])
             queue.append(msg)
             if len(queue) == 1:
                 self.query(peer)
             return
+        op.waiting = False
         if not inside:
             self.refuse(msg)
             return
         target = (msg.address, n, MPI.BYTE)
         try:
             if msg.op is Op.PUT:
-                request = self.win.Rput(msg.buffer, peer, target)
+                request = self.win.Rput(op.data, peer, target)
             else:
-                request = self.win.Rget(msg.buffer, peer, target)
+                request = self.win.Rget(op.data, peer, target)
         except MPI.Exception as exc:
-            self.t.report(self.t.sink.failed, msg, FailureReason.TRANSPORT,
-                          f"MPI_R{msg.op.value}: {exc}", cause=exc)
+            self.report_failed(msg, FailureReason.TRANSPORT, f"MPI_R{msg.op.value}: {exc}", exc)
             return
-        msg.transport_data = request
+        if msg.op is Op.PUT and op.copied:
+            self.report_submitted(msg)  # MPI reads the copy
         self.issued += 1
-        self.t.engine.add(request, lambda status, error: self.local_done(msg, error))
+        self.t.engine.add(request, lambda status, error: self.local_done(msg, error), owner=msg)
 
     def local_done(self, msg: Message, error: MPI.Exception | None) -> None:
         self.issued -= 1
-        sink = self.t.sink
         if error is not None:
-            self.t.report(sink.failed, msg, FailureReason.TRANSPORT,
-                          f"MPI_R{msg.op.value}: {error}", cause=error)
+            self.report_failed(msg, FailureReason.TRANSPORT, f"MPI_R{msg.op.value}: {error}",
+                               error)
         elif msg.op is Op.GET:
-            self.t.report(sink.completed, msg, len(msg.buffer), msg.peer, 0)
-        else:
-            self.t.report(sink.submitted, msg)
+            self.report_completed(msg)
+        elif msg.transport_data.live:
+            self.report_submitted(msg)
             if not self.to_flush:
                 self.t.engine.after_pass(self.flush)
             self.to_flush.setdefault(msg.peer, []).append(msg)
@@ -198,11 +253,11 @@ class NativeRma(_Rma):
                 self.win.Flush(peer)
             except MPI.Exception as exc:
                 for msg in msgs:
-                    self.t.report(self.t.sink.failed, msg, FailureReason.TRANSPORT,
-                                  f"MPI_Win_flush: {exc}", cause=exc)
+                    self.report_failed(msg, FailureReason.TRANSPORT, f"MPI_Win_flush: {exc}",
+                                       exc)
                 continue
             for msg in msgs:
-                self.t.report(self.t.sink.completed, msg, len(msg.buffer), peer, 0)
+                self.report_completed(msg)
 
     def query(self, peer: int) -> None:
         tag = self.t.new_tag()
@@ -216,11 +271,11 @@ class NativeRma(_Rma):
                  error: MPI.Exception | None) -> None:
         if status.Is_cancelled():
             return
-        waiting = self.waiting.pop(peer, [])
+        waiting = [msg for msg in self.waiting.pop(peer, []) if msg.transport_data.waiting]
         if error is not None:
             for msg in waiting:
-                self.t.report(self.t.sink.failed, msg, FailureReason.TRANSPORT,
-                              f"region table of rank {peer}: {error}", cause=error)
+                self.report_failed(msg, FailureReason.TRANSPORT,
+                                   f"region table of rank {peer}: {error}", error)
             return
         _, _, _, epoch, count = HEADER.unpack_from(buffer)
         if epoch < self.revoked.get(peer, 0):  # overtaken by a revoke: ask again
@@ -231,15 +286,16 @@ class NativeRma(_Rma):
         self.tables[peer] = [ENTRY.unpack_from(buffer, HEADER.size + ENTRY.size * i)
                              for i in range(count)]
         for msg in waiting:
-            if msg.transport_data is _WAITING:
-                self.start(msg, refreshed=True)
+            self.start(msg, refreshed=True)
 
     def cancel(self, msg: Message) -> None:
-        queue = self.waiting.get(msg.peer, [])
-        if msg.transport_data is _WAITING and msg in queue:
-            queue.remove(msg)
-            msg.transport_data = None
+        op: _Op | None = msg.transport_data
+        if op is not None and op.waiting:  # not issued yet: nothing to abandon
+            op.waiting = False
+            op.abandoned = True
             self.t.report(self.t.sink.cancelled, msg)
+        else:
+            super().cancel(msg)
 
     def cancel_all(self) -> None:
         self.waiting.clear()
@@ -317,66 +373,70 @@ class EmulatedRma(_Rma):
     def start(self, msg: Message) -> None:
         t, n = self.t, len(msg.buffer)
         tag = t.new_tag()
+        eager = msg.op is Op.PUT and n <= CONTROL_EAGER  # its data travels in the request
+        op = msg.transport_data = _Op(msg, copy=eager or msg.deadline is not None)
         if msg.op is Op.GET:
             self.refused[tag] = msg
-            msg.transport_data = t.control_recv(
-                msg.buffer, msg.peer, tag,
+            op.request = t.control_recv(
+                op.data, msg.peer, tag,
                 lambda status, error: self.got(msg, tag, status, error), standing=False)
             t.control_send(msg.peer, HEADER.pack(GET, 0, tag, msg.address, n))
-        elif n <= CONTROL_EAGER:
+        elif eager:
             self.await_ack(msg, tag)
-            t.control_send(msg.peer, HEADER.pack(PUT, 0, tag, msg.address, n)
-                           + bytes(msg.buffer))
-            t.report(t.sink.submitted, msg)  # the data was copied into the request
+            t.control_send(msg.peer, HEADER.pack(PUT, 0, tag, msg.address, n) + op.data)
+            self.report_submitted(msg)
         else:
             reply = bytearray(HEADER.size)
             t.control_recv(reply, msg.peer, tag,
                            lambda status, error: self.cleared(msg, tag, reply, error),
                            standing=False)
             t.control_send(msg.peer, HEADER.pack(PUT_RTS, 0, tag, msg.address, n))
+            if op.copied:
+                self.report_submitted(msg)
 
     def got(self, msg: Message, tag: int, status: MPI.Status,
             error: MPI.Exception | None) -> None:
+        msg.transport_data.request = None
         if self.refused.pop(tag, None) is None:  # refused: the receive was cancelled
             self.refuse(msg)
         elif error is not None:
-            self.t.report(self.t.sink.failed, msg, FailureReason.TRANSPORT,
-                          f"emulated get: {error}", cause=error)
+            self.report_failed(msg, FailureReason.TRANSPORT, f"emulated get: {error}", error)
         else:
-            self.t.report(self.t.sink.completed, msg, len(msg.buffer), msg.peer, 0)
+            self.report_completed(msg)
 
     def cleared(self, msg: Message, tag: int, reply: bytearray,
                 error: MPI.Exception | None) -> None:
-        """The target answered a rendezvous put's RTS: send the data to its private tag."""
+        """The target answered a rendezvous put's RTS: send the data to its private tag.
+
+        An abandoned put still sends it (from its copy): the target has posted a
+        receive into the region and holds the region busy until the data lands.
+        """
         t = self.t
         _, flag, data_tag, _, _ = HEADER.unpack_from(reply)
-        if error is not None or flag != OK:
-            self.refuse(msg) if error is None else t.report(
-                t.sink.failed, msg, FailureReason.TRANSPORT, f"emulated put: {error}",
-                cause=error)
+        if error is not None:
+            self.report_failed(msg, FailureReason.TRANSPORT, f"emulated put: {error}", error)
             return
-        request = t.ctl.Isend(msg.buffer, msg.peer, data_tag)
-        t.engine.add(request, lambda status, error: t.report(t.sink.submitted, msg),
-                     standing=True)
+        if flag != OK:
+            self.refuse(msg)
+            return
+        request = t.ctl.Isend(msg.transport_data.data, msg.peer, data_tag)
+        t.engine.add(request, lambda status, error: self.report_submitted(msg),
+                     owner=msg, standing=True)
         self.await_ack(msg, tag)
 
     def await_ack(self, msg: Message, tag: int) -> None:
-        t = self.t
         ack = bytearray(HEADER.size)
 
         def acked(status: MPI.Status, error: MPI.Exception | None) -> None:
             if error is not None:
-                t.report(t.sink.failed, msg, FailureReason.TRANSPORT,
-                         f"emulated put: {error}", cause=error)
+                self.report_failed(msg, FailureReason.TRANSPORT, f"emulated put: {error}",
+                                   error)
             elif HEADER.unpack_from(ack)[1] != OK:
                 self.refuse(msg)
             else:
-                t.report(t.sink.completed, msg, len(msg.buffer), msg.peer, 0)
+                self.report_completed(msg)
 
-        t.control_recv(ack, msg.peer, tag, acked, standing=False)
-
-    def cancel(self, msg: Message) -> None:
-        pass  # issued at post: it completes or fails (see the module's docstring)
+        self.t.control_recv(ack, msg.peer, tag, acked, standing=False)
 
     def cancel_all(self) -> None:
         self.refused.clear()
@@ -419,8 +479,8 @@ class EmulatedRma(_Rma):
         t = self.t
         if kind == GET_REFUSED:
             msg = self.refused.pop(tag, None)
-            if msg is not None and isinstance(msg.transport_data, MPI.Request):
-                msg.transport_data.Cancel()
+            if msg is not None and msg.transport_data.request is not None:
+                msg.transport_data.request.Cancel()  # got() then reports the refusal
             return
         found = self.regions.find(address, length)
         if kind == GET:

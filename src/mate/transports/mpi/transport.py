@@ -16,7 +16,10 @@ here when asked), so the transport does not try: a timed-out or cancelled
 copied send is left to MPI ("orphaned": it may still be delivered, as SPEC §1
 allows) while its message times out or is cancelled; an uncopied send cannot
 be abandoned while MPI may still read the user's buffer, so it completes when
-the receiver matches it.
+the receiver matches it. Orphans cost little: the engine tests them apart
+from live requests and rarely, and at most `orphan_limit` of them are kept
+per destination; while a destination has that many, new sends to it fail
+with RESOURCES at once (it is not receiving: more would only pile up).
 
 recv is `Irecv` with the wildcards mapped both ways; a truncated message fails
 with TRUNCATED and the receipt's length is what MPI wrote. A cancelled recv is
@@ -32,6 +35,7 @@ import logging
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -56,12 +60,12 @@ CONTROL_EAGER = 1024  # emulated put: data up to this size travels in the reques
 class _Send:
     """The transport's state for one send."""
 
-    __slots__ = ("copied", "data", "orphaned", "request")
+    __slots__ = ("copied", "data", "entry", "orphaned")
 
-    def __init__(self, request: MPI.Request, data: Any, copied: bool) -> None:
-        self.request = request
+    def __init__(self, data: Any, copied: bool) -> None:
         self.data = data  # keeps the buffer MPI reads alive
         self.copied = copied
+        self.entry: Any = None  # the engine's handle of the request
         self.orphaned = False
 
 
@@ -69,10 +73,13 @@ class MpiTransport(Transport):
     supports_progress_handlers = True
 
     def __init__(self, sink: Sink, loop: asyncio.AbstractEventLoop, *, progress: str,
-                 handlers: str, rma: str, eager_size: int, shutdown_timeout: float) -> None:
+                 handlers: str, rma: str, eager_size: int, orphan_limit: int,
+                 shutdown_timeout: float) -> None:
         self._sink = sink
         self.loop = loop
         self.eager_size = eager_size
+        self.orphan_limit = orphan_limit
+        self._orphans: Counter[int] = Counter()  # orphaned sends per destination
         self.shutdown_timeout = shutdown_timeout
         self.comm = MPI.COMM_WORLD.Dup()
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -82,7 +89,7 @@ class MpiTransport(Transport):
         self.numprocs = self.comm.Get_size()
         self.tag_max = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
         self._next_tag = FIRST_PRIVATE_TAG
-        self.engine = Engine(loop, progress)
+        self.engine = Engine(loop, progress, self._contain)
         # Thread mode with handlers on the loop: reports go to the loop in batches.
         self._hop = progress == "thread" and handlers == "loop"
         self._batch: list[Callable[[], None]] = []
@@ -121,9 +128,17 @@ class MpiTransport(Transport):
                    cause: BaseException | None = None) -> None:
         self.later(self._sink.failed, msg, reason, detail, cause=cause)
 
-    @property
-    def sink(self) -> Sink:
-        return self._sink
+    def _contain(self, exc: BaseException, owner: Any) -> None:
+        """An exception escaped a call or action in the progress context.
+
+        It is a bug of the transport, but it must not stop progress: the message
+        it concerned fails with TRANSPORT (the exception chained) and the rest
+        goes on. A message that already ended ignores the report.
+        """
+        logger.error("mate: internal error in the MPI transport (%r)", owner, exc_info=exc)
+        if isinstance(owner, Message):
+            self.report(self._sink.failed, owner, FailureReason.TRANSPORT,
+                        f"internal error in the MPI transport: {exc!r}", cause=exc)
 
     # -- two-sided -----------------------------------------------------------------------
 
@@ -139,6 +154,11 @@ class MpiTransport(Transport):
             self.rma.get(msg)
 
     def _post_send(self, msg: Message) -> None:
+        if self._orphans[msg.peer] >= self.orphan_limit:
+            self.fail_later(msg, FailureReason.RESOURCES,
+                            f"rank {msg.peer} holds {self.orphan_limit} sends that timed out "
+                            f"unreceived (orphan_limit); it is not receiving")
+            return
         buffer = msg.buffer
         copied = len(buffer) <= self.eager_size or msg.deadline is not None
         data = bytes(buffer) if copied else buffer
@@ -147,14 +167,16 @@ class MpiTransport(Transport):
         except MPI.Exception as exc:
             self.fail_later(msg, FailureReason.TRANSPORT, f"MPI_Issend: {exc}", exc)
             return
-        msg.transport_data = _Send(request, data, copied)
+        state = msg.transport_data = _Send(data, copied)
         if copied:
             self.later(self._sink.submitted, msg)
-        self.engine.add(request, lambda status, error: self._send_done(msg, status, error))
+        state.entry = self.engine.add(
+            request, lambda status, error: self._send_done(msg, status, error), owner=msg)
 
     def _send_done(self, msg: Message, status: MPI.Status, error: MPI.Exception | None) -> None:
         state: _Send = msg.transport_data
-        if state.orphaned:
+        if state.orphaned:  # matched at last, or failed: MPI has let go of it
+            self._orphans[msg.peer] -= 1
             return
         if error is not None:
             self.report(self._sink.failed, msg, FailureReason.TRANSPORT,
@@ -174,9 +196,10 @@ class MpiTransport(Transport):
             return
         msg.transport_data = request
         self.engine.add(request, lambda status, error: self._recv_done(msg, status, error),
-                        receive=True)
+                        owner=msg, receive=True)
 
     def _recv_done(self, msg: Message, status: MPI.Status, error: MPI.Exception | None) -> None:
+        msg.transport_data = None  # a cancel that comes now finds nothing left to cancel
         if status.Is_cancelled():
             self.report(self._sink.cancelled, msg)
             return
@@ -194,10 +217,11 @@ class MpiTransport(Transport):
                         f"MPI_Irecv: {error}", cause=error)
 
     def cancel(self, msg: Message) -> None:
-        self.engine.call(self._cancel, msg)
+        self.engine.call_at_once(self._cancel, msg, owner=msg)
 
     def _cancel(self, msg: Message) -> None:
         if msg.op is Op.RECV:
+            # None once the recv completed: its completion was reported, and wins.
             if isinstance(msg.transport_data, MPI.Request):
                 msg.transport_data.Cancel()  # the recv then completes: cancelled, or matched
         elif msg.op is Op.SEND:
@@ -206,16 +230,16 @@ class MpiTransport(Transport):
             # that is not complete after one more pass is orphaned; an uncopied one
             # completes when the receiver matches it.
             if isinstance(msg.transport_data, _Send) and msg.transport_data.copied:
-                self.engine.after_pass(lambda: self._orphan(msg))
+                self.engine.after_pass(lambda: self._orphan(msg), owner=msg)
         else:
             self.rma.cancel(msg)
 
     def _orphan(self, msg: Message) -> None:
         """A copied send still unmatched: leave it to MPI, end the message now."""
         state: _Send = msg.transport_data
-        if state.request != MPI.REQUEST_NULL and not state.orphaned:
+        if not state.orphaned and self.engine.disown(state.entry):
             state.orphaned = True
-            self.engine.disown(state.request)
+            self._orphans[msg.peer] += 1
             self.report(self._sink.cancelled, msg)
 
     # -- control channel -------------------------------------------------------------------
@@ -268,6 +292,9 @@ class MpiTransport(Transport):
 
     def awaiting(self, msg: Message) -> None:
         self.engine.drive_until(msg.done)
+
+    def stats(self) -> dict[str, int]:
+        return {"requests": self.engine.user_outstanding, "orphaned_sends": self.engine.orphans}
 
     async def shutdown(self) -> None:
         """Cancel what is left, meet the peers (bounded wait), and free the MPI objects.

@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import time
 
+import attrs
 import pytest
-from conftest import Fabric, barrier
+from conftest import LAUNCH_OPTIONS, LAUNCHED, Fabric, barrier
 
 import mate
 from mate import Event, FailureReason, Schedule, State
 from mate.faults import FaultPlan, FaultyTransport, inject
 
 SLACK = 0.1
+THREADED = LAUNCHED == "mpi" and LAUNCH_OPTIONS.get("progress") == "thread"
 
 
 def ring(world: mate.World) -> tuple[int, int, int]:
@@ -212,6 +214,57 @@ async def test_seeded_plans_replay_the_same_faults(fabric: Fabric) -> None:
     assert runs[0] == runs[1]
     states = {state for outcome in runs[0] for state in outcome}
     assert {State.COMPLETED, State.TIMED_OUT, State.FAILED} <= states
+
+
+async def test_delays_keep_each_channel_in_order(fabric: Fabric) -> None:
+    """Issue 13, defect 7: a delayed send never lets a later one on its tag overtake it.
+
+    Some sends of a burst on one tag are delayed, the others not; the receiver
+    must see the whole burst in posting order (a slow link, not a reordering one).
+    Another tag is not held up by them.
+    """
+    count = 200
+
+    async def program(world: mate.World) -> None:
+        _me, right, left = ring(world)
+        inject(world, FaultPlan(delay=0.3, delay_seconds=0.05, seed=world.mypid))
+        sends = [world.send(i.to_bytes(4, "little"), right, tag=9, timeout=10)
+                 for i in range(count)]
+        express = world.send(b"fast", right, tag=10, timeout=10)
+        express_in = world.recv(bytearray(4), left, tag=10, timeout=10)
+        buffers = [bytearray(4) for _ in range(count)]
+        recvs = [world.recv(b, left, tag=9, timeout=10) for b in buffers]
+        await asyncio.gather(*sends, *recvs, express, express_in)
+        assert [int.from_bytes(b, "little") for b in buffers] == list(range(count))
+        assert world.transport.injected["delay"] > 0  # type: ignore[attr-defined]
+        await _clean_barrier(world)
+
+    async with fabric.open() as group:
+        await group.run(program)
+
+
+@pytest.mark.skipif(not THREADED, reason="handlers run in a progress thread (mpi, thread mode)")
+async def test_faults_with_handlers_on_the_progress_thread(fabric: Fabric) -> None:
+    """Issue 13, defect 2: with handlers="progress" the fault layer deadlocked.
+
+    Its relay ran as a handler, under the handlers' lock, and reported the
+    original's outcome, whose handler needed the same lock on the same thread.
+    """
+    async def program(world: mate.World) -> None:
+        _me, right, left = ring(world)
+        inject(world, FaultPlan(delay=1.0, delay_seconds=0.02))
+        completed: list[int] = []
+        schedule = Schedule(completion=lambda receipt, i: completed.append(i))
+        sends = [world.send(b"x", right, tag=11, timeout=5, schedule=attrs.evolve(
+            schedule, completion_data=i)) for i in range(20)]
+        recvs = [world.recv(bytearray(1), left, tag=11, timeout=5) for _ in range(20)]
+        await asyncio.wait_for(asyncio.gather(*sends, *recvs), 10)
+        await asyncio.sleep(0.05)
+        assert sorted(completed) == list(range(20))
+        await _clean_barrier(world)
+
+    async with fabric.open(handlers="progress") as group:
+        await group.run(program)
 
 
 async def _clean_barrier(world: mate.World) -> None:

@@ -250,3 +250,12 @@ def test_script_under_mpi_with_handlers_on_the_progress_thread() -> None:
     assert_verified(run_script("--transport", "mpi", "--progress", "thread", "--handlers",
                                "progress", "-n", "10", launcher=MATE_RUN))
 
+
+@mpi
+@pytest.mark.parametrize("model", ["progressive", "driven"])
+def test_script_with_faults_and_handlers_on_the_progress_thread(model: str) -> None:
+    """Issue 13, defect 2: the fault layer's relay used to deadlock on the handler lock."""
+    assert_verified(run_script("--transport", "mpi", "--progress", "thread", "--handlers",
+                               "progress", "--model", model, "-n", "10", "--deadline", "60",
+                               "--faults", "drop=0.1,delay=0.1:0.1,fail=0.1",
+                               launcher=MATE_RUN))

@@ -16,12 +16,24 @@ message (send, put, get) then meets, at random and independently:
   transports produce (MPI sends abandoned by a cancel). Programs that claim to
   survive timeouts must survive this one.
 
-Receives are never touched: faults live on the sending side of the wire. The
-delayed copy travels as an ordinary message of the same world ("ghost") whose
-schedule relays its outcome to the original while the original is live; a
-ghost itself meets no faults. Random choices come from one seeded generator
-per world, so a fault plan and a seed replay the same faults for the same
-sequence of posts.
+Receives are never touched: faults live on the sending side of the wire.
+
+The fault layer is a transport that wraps the world's transport and puts
+itself in as that transport's sink: what the inner transport reports about
+the messages passed through goes on to the world unchanged, and a delayed
+message is carried by a *carrier* of the layer's own (a copy of the message
+posted to the inner transport) whose outcome the layer turns into the
+original's, if the original is still live. Nothing goes back through the
+public API, so handlers, locks and threads behave as without the layer.
+
+Delayed messages form *slow links*, one per channel that SPEC §1 orders (a
+destination and a tag; put and get, which are not ordered, share one per
+destination): they leave in the order they were posted, and a message posted
+to a channel while delayed ones wait on it queues behind them (copied, and
+submitted at once), so that a wrapped world keeps non-overtaking. Messages on
+different channels overtake each other, as the spec allows. Random choices come from one
+seeded generator per world, so a fault plan and a seed replay the same faults
+for the same sequence of posts.
 """
 
 from __future__ import annotations
@@ -29,15 +41,19 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
+from collections import deque
 from typing import Any
 
 import attrs
 
-from mate.errors import FailureReason, InvalidArgument, MessageFailed
+from mate.errors import FailureReason, InvalidArgument
 from mate.message import Message
-from mate.schedule import Op, Receipt, Region, Schedule
-from mate.transports.base import Transport
+from mate.schedule import Op, Region, Schedule
+from mate.transports.base import Sink, Transport
 from mate.world import World
+
+_NO_SCHEDULE = Schedule()
 
 
 def _probability(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
@@ -91,17 +107,24 @@ def _number(text: str, item: str) -> float:
         raise InvalidArgument(f"bad fault {item!r}: {text!r} is not a number") from None
 
 
-_STRUCK = object()  # transport_data of a message that met a fault
+_Channel = tuple[int, int]  # (destination, tag); tag -1 for put and get
 
 
-class _Relay:
-    """A ghost's link back to the message it carries (its schedule's data)."""
+def _channel(msg: Message) -> _Channel:
+    return (msg.peer, msg.tag if msg.op is Op.SEND else -1)
 
-    __slots__ = ("original", "scratch")
 
-    def __init__(self, original: Message, scratch: bytearray | None) -> None:
-        self.original = original
-        self.scratch = scratch  # a get lands here, and is copied over while the original lives
+class _Held:
+    """A message that met a fault (or waits on a slow link), held by the layer until it ends."""
+
+    __slots__ = ("data", "due", "msg")
+
+    def __init__(self, msg: Message, due: float) -> None:
+        self.msg = msg
+        self.due = due  # when it may leave (the link keeps posting order)
+        # What the carrier sends, or where a get lands: the original's buffer may be
+        # reused once it is submitted, or must not be written once it has ended.
+        self.data = bytearray(msg.buffer) if msg.op is Op.GET else bytes(msg.buffer)
 
 
 class FaultyTransport(Transport):
@@ -113,33 +136,46 @@ class FaultyTransport(Transport):
         self.mypid, self.numprocs, self.tag_max = inner.mypid, inner.numprocs, inner.tag_max
         self.supports_progress_handlers = inner.supports_progress_handlers
         self.injected = {"drop": 0, "delay": 0, "fail": 0}
-        self._world = world
+        self._world = world  # reported to, and the world of the carriers
+        self._sink: Sink = world
         self._loop = asyncio.get_running_loop()
         self._random = random.Random(None if plan.seed is None else plan.seed + inner.mypid)
-        # Held messages (struck by a fault and still live here), guarded by a lock
-        # because handlers on a progress thread post and cancel too.
-        self._lock = threading.Lock()
-        self._held: set[Message] = set()
-        self._timers: set[asyncio.TimerHandle] = set()
-        self._relay = Schedule(completion=self._relay_completed, failure=self._relay_failed)
+        # Guarded by a lock: handlers on a progress thread post and cancel too, and the
+        # inner transport may report from its progress thread. Reentrant, because the
+        # inner transport is posted to under it, and a transport may answer a post at once.
+        self._lock = threading.RLock()
+        self._held: dict[Message, _Held] = {}  # live messages the layer answers for
+        self._carriers: dict[Message, _Held] = {}  # carrier -> what it carries
+        self._links: dict[_Channel, deque[_Held]] = {}  # messages waiting to leave, in order
+        self._timers: dict[_Channel, asyncio.TimerHandle] = {}  # each link's next wake-up
+        self._closed = False
+        inner.bind(self)
+
+    # -- posting --------------------------------------------------------------------------
 
     def post(self, msg: Message) -> None:
-        if msg.op is Op.RECV or isinstance(msg.schedule.completion_data, _Relay):
+        if msg.op is Op.RECV:
             self.inner.post(msg)
             return
+        channel = _channel(msg)
         with self._lock:
             fault = self._draw()
-            if fault is None:
-                self.inner.post(msg)
+            link = self._links.get(channel)
+            if fault is None and not link:
+                self.inner.post(msg)  # under the lock: nothing queued can overtake it
                 return
-            self.injected[fault] += 1
-            msg.transport_data = _STRUCK  # never reaches `inner`: its cancels stay here
-            self._held.add(msg)
+            if fault is not None:
+                self.injected[fault] += 1
+            now = time.monotonic()
+            held = self._held[msg] = _Held(msg, now + self.plan.delay_seconds
+                                           if fault == "delay" else now)
+            if fault is None or fault == "delay":
+                self._links.setdefault(channel, deque()).append(held)
+        # Events reach the world soon after the post, never from inside it.
         if fault == "fail":
             self._loop.call_soon_threadsafe(self._fail, msg)
-        elif fault == "delay":
-            copy = bytes(msg.buffer) if msg.op is not Op.GET else None
-            self._loop.call_soon_threadsafe(self._delay, msg, copy)
+        elif fault != "drop":  # delayed, or queued behind delayed ones: submitted now
+            self._loop.call_soon_threadsafe(self._queued, msg)
         # A dropped message stays held until its timeout or a cancel.
 
     def _draw(self) -> str | None:
@@ -152,63 +188,89 @@ class FaultyTransport(Transport):
         return None
 
     def _release(self, msg: Message) -> bool:
-        """Take `msg` out of the held set; False if it already ended."""
+        """Stop answering for `msg`; False if it already ended."""
         with self._lock:
-            if msg not in self._held:
-                return False
-            self._held.discard(msg)
-            return True
+            return self._held.pop(msg, None) is not None
 
     def _fail(self, msg: Message) -> None:
         if self._release(msg):
-            self._world.failed(msg, FailureReason.TRANSPORT, "injected fault")
+            self._sink.failed(msg, FailureReason.TRANSPORT, "injected fault")
 
-    def _delay(self, msg: Message, copy: bytes | None) -> None:
+    def _queued(self, msg: Message) -> None:
         with self._lock:
             live = msg in self._held
         if live and msg.op is not Op.GET:
-            self._world.submitted(msg)
-        timer = self._loop.call_later(self.plan.delay_seconds, self._send_late, msg, copy)
-        self._timers.add(timer)
+            self._sink.submitted(msg)  # the layer holds a copy
+        self._wake_link(_channel(msg))
 
-    def _send_late(self, msg: Message, copy: bytes | None) -> None:
-        """The delay is over: carry the message out, even if it timed out meanwhile."""
-        self._timers = {timer for timer in self._timers if not timer.cancelled()
-                        and timer.when() > self._loop.time()}
-        relay = _Relay(msg, bytearray(len(msg.buffer)) if copy is None else None)
-        schedule = attrs.evolve(self._relay, completion_data=relay, failure_data=relay)
-        world = self._world
-        if msg.op is Op.SEND:
-            world.send(copy, msg.peer, msg.tag, schedule=schedule, timeout=None)
-        elif msg.op is Op.PUT:
-            world.put(copy, msg.peer, msg.address, schedule=schedule, timeout=None)
-        else:
-            world.get(relay.scratch, msg.peer, msg.address, schedule=schedule, timeout=None)
+    # -- the slow links --------------------------------------------------------------------
 
-    def _relay_completed(self, receipt: Receipt, relay: _Relay) -> None:
-        msg = relay.original
+    def _wake_link(self, channel: _Channel) -> None:
+        """Send what is due on `channel`'s link, in order; wake again when the next is due."""
+        timer = self._timers.pop(channel, None)
+        if timer is not None:
+            timer.cancel()
         with self._lock:
-            if msg not in self._held:
-                return  # the original timed out or was cancelled: nobody is told
-            self._held.discard(msg)
-            if relay.scratch is not None:
-                msg.buffer[:receipt.length] = relay.scratch[:receipt.length]
-        tag = msg.tag if receipt.tag is None else receipt.tag  # put and get have no tag
-        self._world.completed(msg, receipt.length, receipt.remote_pid, tag)
+            link = self._links.get(channel)
+            while link and link[0].due <= time.monotonic() and not self._closed:
+                held = link.popleft()
+                original = held.msg
+                carrier = Message(self._world, original.op, memoryview(held.data),
+                                  original.peer, original.tag, original.address, _NO_SCHEDULE)
+                self._carriers[carrier] = held
+                # Carried out even if the original ended meanwhile: it has left already.
+                self.inner.post(carrier)
+            if not link:
+                self._links.pop(channel, None)
+                return
+            delay = max(link[0].due - time.monotonic(), 0.0)
+        if not self._closed:
+            self._timers[channel] = self._loop.call_later(delay, self._wake_link, channel)
 
-    def _relay_failed(self, receipt: Receipt, relay: _Relay) -> None:
-        if self._release(relay.original):
-            error = receipt.error
-            reason = error.reason if isinstance(error, MessageFailed) else FailureReason.TRANSPORT
-            self._world.failed(relay.original, reason, "the delayed message failed",
-                               cause=error)
+    # -- the sink of the inner transport ------------------------------------------------------
+
+    def submitted(self, msg: Message) -> None:
+        if msg not in self._carriers:  # a carrier's original was submitted when queued
+            self._sink.submitted(msg)
+
+    def completed(self, msg: Message, length: int, peer: int, tag: int) -> None:
+        with self._lock:
+            held = self._carriers.pop(msg, None)
+            if held is None:
+                original = msg
+            elif self._held.pop(held.msg, None) is None:
+                return  # the original timed out or was cancelled: nobody is told
+            else:
+                original = held.msg
+                if original.op is Op.GET:  # still live: it may be written now
+                    original.buffer[:length] = held.data[:length]
+        self._sink.completed(original, length, peer, tag)
+
+    def failed(self, msg: Message, reason: FailureReason, detail: str = "", *,
+               cause: BaseException | None = None, length: int = 0,
+               peer: int | None = None, tag: int | None = None) -> None:
+        with self._lock:
+            held = self._carriers.pop(msg, None)
+            if held is not None and self._held.pop(held.msg, None) is None:
+                return
+        original = msg if held is None else held.msg
+        self._sink.failed(original, reason, detail, cause=cause, length=length, peer=peer,
+                          tag=tag)
+
+    def cancelled(self, msg: Message) -> None:
+        self._sink.cancelled(msg)  # carriers are never cancelled
+
+    # -- the rest of the transport ---------------------------------------------------------
 
     def cancel(self, msg: Message) -> None:
-        if msg.transport_data is not _STRUCK:
+        with self._lock:
+            held = msg in self._held
+        if not held:
             self.inner.cancel(msg)
         elif self._release(msg):
-            self._world.cancelled(msg)  # a delayed message still leaves when its delay ends
-        # else its fault already ended it (failure, or the delayed copy's outcome).
+            # A queued or delayed message still leaves when its turn comes (it is
+            # on the wire already); a dropped one never does.
+            self._sink.cancelled(msg)
 
     def expose(self, buffer: memoryview) -> Region:
         return self.inner.expose(buffer)
@@ -222,12 +284,17 @@ class FaultyTransport(Transport):
     def awaiting(self, msg: Message) -> None:
         self.inner.awaiting(msg)
 
+    def stats(self) -> dict[str, int]:
+        return {**self.inner.stats(), **{f"injected_{k}": v for k, v in self.injected.items()}}
+
     async def shutdown(self) -> None:
-        for timer in self._timers:
+        with self._lock:
+            self._closed = True
+            self._held.clear()
+            self._links.clear()
+        for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
-        with self._lock:
-            self._held.clear()
         await self.inner.shutdown()
 
 

@@ -1,5 +1,6 @@
 """The MPI transport (SPEC §3 "mpi"): `transport.py` for two-sided messages,
-`rma.py` for put and get, `progress.py` for the three progress modes.
+`rma.py` for put and get, `progress.py` for the three progress modes,
+`finalize.py` so that MPI_Finalize never waits for a rank that died.
 
 Options to `mate.startup("mpi", ...)`:
 

@@ -305,20 +305,32 @@ class MpiTransport(Transport):
         shutting down", then "I met everyone and will free". A rank that gave up
         on the first meeting never joins the second, so no rank frees a window
         that a rank gone away will not free; the objects are then left to
-        MPI_Finalize and a warning is logged. Nothing waits on a stopped peer.
+        MPI_Finalize and a warning is logged. Nothing waits on a stopped peer,
+        and MPI_Finalize will not either (see finalize.py).
         """
+        from mate.transports.mpi.finalize import finalize_locally
+
         self.engine.call(self._cancel_everything)
         met = await self._meet() and await self._meet()
         self.engine.stop()
+        # Receives can be cancelled whether or not the ranks met: a receive still
+        # posted at MPI_Finalize is a request the library never gets back (UCX warns
+        # "object ... was not returned to mpool"). Orphaned sends and a meeting given
+        # up cannot be cancelled: they stay with MPI.
+        self.engine.cancel_receives(standing=True)
+        self.engine.drain(time.monotonic() + 0.2)
         if met:
-            self.engine.cancel_receives(standing=True)  # orphaned sends stay with MPI
-            self.engine.drain(time.monotonic() + 0.2)
             self.rma.free()
             self.comm.Free()
             self.ctl.Free()
-        else:
-            logger.warning("mate: not every rank reached shutdown within %.1f s; "
-                           "MPI objects are left to MPI_Finalize", self.shutdown_timeout)
+        # Even after the ranks met, one may die before its MPI_Finalize: never wait for it.
+        local = finalize_locally()
+        if not met:
+            logger.warning("mate: not every rank reached shutdown within %.1f s (one may have "
+                           "died); the MPI objects shared with them are left unfreed%s",
+                           self.shutdown_timeout, "" if local else
+                           ", and MPI_Finalize may wait for them: this MPI library cannot be "
+                           "told not to (only MPICH can)")
         self._run_batch()
 
     async def _meet(self) -> bool:

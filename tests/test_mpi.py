@@ -32,3 +32,8 @@ def test_faults_under_mpiexec(progress: str) -> None:
 @pytest.mark.parametrize(("progress", "rma"), MODES)
 def test_adversarial_under_mpiexec(nranks: int, progress: str, rma: str) -> None:
     run_under_mpiexec("test_adversarial.py", nranks, {"progress": progress, "rma": rma})
+
+
+@pytest.mark.parametrize("progress", ["poll", "thread", "manual"])
+def test_contract_under_mpiexec(progress: str) -> None:
+    run_under_mpiexec("test_contract.py", 2, {"progress": progress})

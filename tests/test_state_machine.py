@@ -1,6 +1,6 @@
 """The message state machine without I/O (h11-style): feed inputs, check outputs.
 
-`mate.message.transition` decides everything a message does; `TABLE` is that
+`mate.machine.transition` decides everything a message does; `TABLE` is that
 function enumerated. These tests pin the table down case by case (SPEC §1),
 check the same rules as a property of any input sequence, and finally check
 that `World` carries the outputs out (ask the transport to cancel, run the
@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mate
-from mate.message import TABLE, Input, Message, Pending, ProtocolError, Step, transition
+from mate.machine import TABLE, Input, Pending, ProtocolError, Step, transition
+from mate.message import Message
 from mate.schedule import Event, Op, Region, Schedule, State
 from mate.transports.base import Transport
 from mate.world import World

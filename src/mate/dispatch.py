@@ -5,11 +5,13 @@ their message (thesis §5.1.4). Two places are offered:
 
 * ``handlers="loop"`` (default): each handler is queued on the event loop with
   `call_soon`, so handlers run on the loop's thread, in event order,
-  serialised by the loop itself.
+  serialised by the loop itself (the world applies every report on the loop's
+  thread in this mode, so `dispatch` is called there).
 * ``handlers="progress"``: a transport with a progress thread reports events
-  from that thread, and handlers run there at once, serialised by a lock,
-  concurrently with whatever the loop is doing. The application can answer a
-  request while its loop is busy computing.
+  from that thread (and timeouts come from the timeout thread), and handlers
+  run there at once, serialised by a lock, concurrently with whatever the loop
+  is doing. The application can answer a request while its loop is busy
+  computing.
 
 A handler that returns a coroutine (an ``async def`` handler) has the
 coroutine run as a task on the loop; the world owns those tasks and cancels
@@ -27,6 +29,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any
 
+from mate.entry import EntryQueue
 from mate.schedule import Handler, Receipt
 
 logger = logging.getLogger("mate")
@@ -35,29 +38,20 @@ MODES = ("loop", "progress")
 
 
 class Dispatcher:
-    def __init__(self, loop: asyncio.AbstractEventLoop, mode: str) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, mode: str, entry: EntryQueue) -> None:
         self._loop = loop
+        self._entry = entry
         self._inline = mode == "progress"
         self._serial = threading.Lock()
-        self._loop_thread = threading.get_ident()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
-
-    def call_on_loop(self, fn: Any, *args: Any) -> None:
-        """Run `fn(*args)` on the loop's thread: now if already there, else soon."""
-        if threading.get_ident() == self._loop_thread:
-            fn(*args)
-        elif not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(fn, *args)
 
     def dispatch(self, handler: Handler, receipt: Receipt, data: Any) -> None:
         if self._inline:
             with self._serial:
                 self._run(handler, receipt, data)
-        elif threading.get_ident() == self._loop_thread:
-            self._loop.call_soon(self._run, handler, receipt, data)
         else:
-            self._loop.call_soon_threadsafe(self._run, handler, receipt, data)
+            self._loop.call_soon(self._run, handler, receipt, data)
 
     def _run(self, handler: Handler, receipt: Receipt, data: Any) -> None:
         if self.closed:
@@ -68,7 +62,7 @@ class Dispatcher:
             self._report(exc, handler, receipt)
             return
         if inspect.iscoroutine(result):
-            self.call_on_loop(self._start_task, result, handler, receipt)
+            self._entry.call_on_loop(self._start_task, result, handler, receipt)
 
     def _start_task(self, coro: Coroutine[Any, Any, Any], handler: Handler,
                     receipt: Receipt) -> None:
@@ -91,7 +85,7 @@ class Dispatcher:
         text = f"mate: {receipt.event.value if receipt.event else 'event'} handler {name} raised"
         logger.error(text, exc_info=exc)
         context = {"message": text, "exception": exc, "receipt": receipt}
-        self.call_on_loop(self._loop.call_exception_handler, context)
+        self._entry.call_on_loop(self._loop.call_exception_handler, context)
 
     async def close(self) -> None:
         """Start no more handlers; cancel the handler tasks and wait for them.

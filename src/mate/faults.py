@@ -30,7 +30,7 @@ Delayed messages form *slow links*, one per channel that SPEC §1 orders (a
 destination and a tag; put and get, which are not ordered, share one per
 destination): they leave in the order they were posted, and a message posted
 to a channel while delayed ones wait on it queues behind them (copied, and
-submitted at once), so that a wrapped world keeps non-overtaking. Messages on
+submitted at once), so that a wrapped world keeps non-overtaking. Operations on
 different channels overtake each other, as the spec allows. Random choices come from one
 seeded generator per world, so a fault plan and a seed replay the same faults
 for the same sequence of posts.
@@ -43,17 +43,16 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
 from mate.errors import FailureReason, InvalidArgument
-from mate.message import Message
-from mate.schedule import Op, Region, Schedule
-from mate.transports.base import Sink, Transport
+from mate.machine import Input
+from mate.schedule import Op, Region
+from mate.transports.base import Operation, Report, Sink, Transport, failure
 from mate.world import World
-
-_NO_SCHEDULE = Schedule()
 
 
 def _probability(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
@@ -110,7 +109,7 @@ def _number(text: str, item: str) -> float:
 _Channel = tuple[int, int]  # (destination, tag); tag -1 for put and get
 
 
-def _channel(msg: Message) -> _Channel:
+def _channel(msg: Operation) -> _Channel:
     return (msg.peer, msg.tag if msg.op is Op.SEND else -1)
 
 
@@ -119,7 +118,7 @@ class _Held:
 
     __slots__ = ("data", "due", "msg")
 
-    def __init__(self, msg: Message, due: float) -> None:
+    def __init__(self, msg: Operation, due: float) -> None:
         self.msg = msg
         self.due = due  # when it may leave (the link keeps posting order)
         # What the carrier sends, or where a get lands: the original's buffer may be
@@ -130,22 +129,22 @@ class _Held:
 class FaultyTransport(Transport):
     """`inner` behind a wire that drops, delays and fails messages as `plan` says."""
 
-    def __init__(self, inner: Transport, world: World, plan: FaultPlan) -> None:
+    def __init__(self, inner: Transport, sink: Sink, plan: FaultPlan) -> None:
         self.inner = inner
         self.plan = plan
         self.mypid, self.numprocs, self.tag_max = inner.mypid, inner.numprocs, inner.tag_max
         self.supports_progress_handlers = inner.supports_progress_handlers
         self.injected = {"drop": 0, "delay": 0, "fail": 0}
-        self._world = world  # reported to, and the world of the carriers
-        self._sink: Sink = world
+        self._sink = sink
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._random = random.Random(None if plan.seed is None else plan.seed + inner.mypid)
         # Guarded by a lock: handlers on a progress thread post and cancel too, and the
         # inner transport may report from its progress thread. Reentrant, because the
         # inner transport is posted to under it, and a transport may answer a post at once.
         self._lock = threading.RLock()
-        self._held: dict[Message, _Held] = {}  # live messages the layer answers for
-        self._carriers: dict[Message, _Held] = {}  # carrier -> what it carries
+        self._held: dict[Operation, _Held] = {}  # live messages the layer answers for
+        self._carriers: dict[Operation, _Held] = {}  # carrier -> what it carries
         self._links: dict[_Channel, deque[_Held]] = {}  # messages waiting to leave, in order
         self._timers: dict[_Channel, asyncio.TimerHandle] = {}  # each link's next wake-up
         self._closed = False
@@ -153,7 +152,7 @@ class FaultyTransport(Transport):
 
     # -- posting --------------------------------------------------------------------------
 
-    def post(self, msg: Message) -> None:
+    def post(self, msg: Operation) -> None:
         if msg.op is Op.RECV:
             self.inner.post(msg)
             return
@@ -173,9 +172,9 @@ class FaultyTransport(Transport):
                 self._links.setdefault(channel, deque()).append(held)
         # Events reach the world soon after the post, never from inside it.
         if fault == "fail":
-            self._loop.call_soon_threadsafe(self._fail, msg)
+            self._soon(self._fail, msg)
         elif fault != "drop":  # delayed, or queued behind delayed ones: submitted now
-            self._loop.call_soon_threadsafe(self._queued, msg)
+            self._soon(self._queued, msg)
         # A dropped message stays held until its timeout or a cancel.
 
     def _draw(self) -> str | None:
@@ -187,16 +186,16 @@ class FaultyTransport(Transport):
             roll -= probability
         return None
 
-    def _release(self, msg: Message) -> bool:
+    def _release(self, msg: Operation) -> bool:
         """Stop answering for `msg`; False if it already ended."""
         with self._lock:
             return self._held.pop(msg, None) is not None
 
-    def _fail(self, msg: Message) -> None:
+    def _fail(self, msg: Operation) -> None:
         if self._release(msg):
             self._sink.failed(msg, FailureReason.TRANSPORT, "injected fault")
 
-    def _queued(self, msg: Message) -> None:
+    def _queued(self, msg: Operation) -> None:
         with self._lock:
             live = msg in self._held
         if live and msg.op is not Op.GET:
@@ -215,8 +214,8 @@ class FaultyTransport(Transport):
             while link and link[0].due <= time.monotonic() and not self._closed:
                 held = link.popleft()
                 original = held.msg
-                carrier = Message(self._world, original.op, memoryview(held.data),
-                                  original.peer, original.tag, original.address, _NO_SCHEDULE)
+                carrier = Operation(original.op, memoryview(held.data), original.peer,
+                                    original.tag, original.address)
                 self._carriers[carrier] = held
                 # Carried out even if the original ended meanwhile: it has left already.
                 self.inner.post(carrier)
@@ -229,40 +228,57 @@ class FaultyTransport(Transport):
 
     # -- the sink of the inner transport ------------------------------------------------------
 
-    def submitted(self, msg: Message) -> None:
-        if msg not in self._carriers:  # a carrier's original was submitted when queued
-            self._sink.submitted(msg)
+    def submitted(self, op: Operation) -> None:
+        self.report_all((Report(Input.SUBMITTED, op),))
 
-    def completed(self, msg: Message, length: int, peer: int, tag: int) -> None:
-        with self._lock:
-            held = self._carriers.pop(msg, None)
-            if held is None:
-                original = msg
-            elif self._held.pop(held.msg, None) is None:
-                return  # the original timed out or was cancelled: nobody is told
-            else:
-                original = held.msg
-                if original.op is Op.GET:  # still live: it may be written now
-                    original.buffer[:length] = held.data[:length]
-        self._sink.completed(original, length, peer, tag)
+    def completed(self, op: Operation, length: int, peer: int, tag: int) -> None:
+        self.report_all((Report(Input.COMPLETED, op, length, peer, tag),))
 
-    def failed(self, msg: Message, reason: FailureReason, detail: str = "", *,
+    def failed(self, op: Operation, reason: FailureReason, detail: str = "", *,
                cause: BaseException | None = None, length: int = 0,
                peer: int | None = None, tag: int | None = None) -> None:
-        with self._lock:
-            held = self._carriers.pop(msg, None)
-            if held is not None and self._held.pop(held.msg, None) is None:
-                return
-        original = msg if held is None else held.msg
-        self._sink.failed(original, reason, detail, cause=cause, length=length, peer=peer,
-                          tag=tag)
+        self.report_all((Report(Input.FAILED, op, length, peer, tag,
+                                failure(reason, detail, cause)),))
 
-    def cancelled(self, msg: Message) -> None:
-        self._sink.cancelled(msg)  # carriers are never cancelled
+    def cancelled(self, op: Operation) -> None:
+        self.report_all((Report(Input.CANCELLED, op),))  # carriers are never cancelled
+
+    def report_all(self, reports: Sequence[Report]) -> None:
+        """Pass reports on; a carrier's outcome becomes its original's, if that still lives."""
+        forwarded = []
+        with self._lock:
+            for report in reports:
+                held = self._carriers.get(report.op)
+                if held is None:
+                    forwarded.append(report)
+                    continue
+                if report.input is Input.SUBMITTED:
+                    continue  # the original was submitted when it was queued
+                del self._carriers[report.op]
+                original = held.msg
+                if self._held.pop(original, None) is None:
+                    continue  # the original timed out or was cancelled: nobody is told
+                if report.input is Input.COMPLETED and original.op is Op.GET:
+                    length = report.length or 0  # still live: it may be written now
+                    original.buffer[:length] = held.data[:length]
+                forwarded.append(report._replace(
+                    op=original, tag=original.tag if report.tag is None else report.tag))
+        if forwarded:
+            self._sink.report_all(forwarded)
+
+    def call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        self._sink.call_on_loop(fn, *args)
+
+    def _soon(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` on the loop after the current call (never inside a post)."""
+        if threading.get_ident() == self._loop_thread:
+            self._loop.call_soon(fn, *args)
+        else:
+            self._sink.call_on_loop(fn, *args)
 
     # -- the rest of the transport ---------------------------------------------------------
 
-    def cancel(self, msg: Message) -> None:
+    def cancel(self, msg: Operation) -> None:
         with self._lock:
             held = msg in self._held
         if not held:
@@ -281,8 +297,8 @@ class FaultyTransport(Transport):
     def progress(self) -> None:
         self.inner.progress()
 
-    def awaiting(self, msg: Message) -> None:
-        self.inner.awaiting(msg)
+    def awaiting(self, op: Operation, done: Callable[[], bool]) -> None:
+        self.inner.awaiting(op, done)
 
     def stats(self) -> dict[str, int]:
         return {**self.inner.stats(), **{f"injected_{k}": v for k, v in self.injected.items()}}

@@ -1,134 +1,37 @@
-"""The message state machine, and the `Message` handle that carries it.
+"""The `Message` handle: one posted message, its state, its receipt, its awaitables.
 
-Theory of operation
--------------------
-A message is posted, then moves through the states of `mate.State`:
+A `Message` is what the user holds; to its transport it is an `Operation`
+(`mate.transports.base`), the fields the wire needs. Its state changes only by
+`apply`, which looks the input up in the pure state machine of
+`mate.machine`; the world calls it under its lock and carries out the outputs.
 
-    POSTED ──submission──▶ SUBMITTED ──completion──▶ COMPLETED
-       │                       │
-       └───────────────────────┴──▶ TIMED_OUT | FAILED | CANCELLED
-
-Three parties feed *inputs* into a message, and this module alone decides what
-each input does (`transition`, built once into `TABLE`):
-
-* the transport reports SUBMITTED, COMPLETED, FAILED, and CANCELLED (a cancel
-  it was asked for took effect);
-* the core reports TIMEOUT (an armed timeout elapsed) and SHUTDOWN;
-* the user reports CANCEL (`msg.cancel()`, or a task awaiting it was cancelled).
-
-TIMEOUT and CANCEL do not end a message by themselves: they ask the transport
-to cancel it and remember which outcome was asked for (`Pending`). Only the
-transport knows whether the data already landed, so only its answer ends the
-message: CANCELLED gives the pending outcome, COMPLETED means the match won the
-race and the message completes (SPEC §1: no data loss). The first request wins.
-
-Every SPEC §1 invariant is a property of the table:
-
-* a terminal state ignores every input, so exactly one outcome fires and
-  nothing fires after it;
-* submission exists only for origin ops (send, put) and fires at most once;
-  an origin op that completes straight from POSTED emits SUBMISSION then
-  COMPLETION in one step;
-* an input the transport must never send (submission of a recv, a second
-  submission, an unrequested CANCELLED) is a `ProtocolError`: a transport bug.
-
-What the world does with the *outputs* (events for handlers and awaiters, and
-"ask the transport to cancel") lives in `mate.world`; this module does no I/O.
+The handle owns its awaiters: one future per awaiting task (so that
+cancelling one task never cancels another's await), registered by `waiter`
+and detached by `take_waiters`, both under the world's lock, so that no
+wake-up is lost between a task's look at the state and its registration; the
+world wakes them on the loop's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import enum
-import itertools
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from mate.buffers import address_of
 from mate.errors import MessageFailed, MessageTimeout
+from mate.machine import TABLE, Input, Pending, ProtocolError, Step
 from mate.schedule import Event, Op, Receipt, Schedule, State
+from mate.transports.base import Operation
 
 if TYPE_CHECKING:
     from mate.world import World
 
-
-class Input(enum.Enum):
-    SUBMITTED = "submitted"  # transport: the local buffer is no longer read
-    COMPLETED = "completed"  # transport
-    FAILED = "failed"  # transport
-    CANCELLED = "cancelled"  # transport: the requested cancel took effect
-    CANCEL = "cancel"  # user
-    TIMEOUT = "timeout"  # core: the armed timeout elapsed
-    SHUTDOWN = "shutdown"  # core: the world is shutting down
-
-
-class Pending(enum.Enum):
-    """An outcome that was asked for and awaits the transport's answer."""
-
-    NONE = "none"
-    TIMEOUT = "timeout"
-    CANCEL = "cancel"
-
-
-class ProtocolError(RuntimeError):
-    """A transport reported an input that its message can never receive."""
-
-
-class Step(NamedTuple):
-    state: State
-    pending: Pending
-    events: tuple[Event, ...]
-    ask_cancel: bool  # ask the transport to cancel the message
-
-
-_LIVE = (State.POSTED, State.SUBMITTED)
-
-
-def transition(origin: bool, state: State, pending: Pending, inp: Input) -> Step:
-    """What `inp` does to a message; `origin` is True for send and put."""
-    if state.terminal:
-        return Step(state, pending, (), False)
-    if inp is Input.SUBMITTED:
-        if not origin or state is State.SUBMITTED:
-            raise ProtocolError(f"submission reported for a {'' if origin else 'non-'}origin "
-                                f"message in state {state.name}")
-        return Step(State.SUBMITTED, pending, (Event.SUBMISSION,), False)
-    if inp is Input.COMPLETED:
-        first = (Event.SUBMISSION,) if origin and state is State.POSTED else ()
-        return Step(State.COMPLETED, Pending.NONE, (*first, Event.COMPLETION), False)
-    if inp is Input.FAILED:
-        return Step(State.FAILED, Pending.NONE, (Event.FAILURE,), False)
-    if inp is Input.CANCELLED:
-        if pending is Pending.TIMEOUT:
-            return Step(State.TIMED_OUT, Pending.NONE, (Event.TIMEOUT,), False)
-        if pending is Pending.CANCEL:
-            return Step(State.CANCELLED, Pending.NONE, (), False)
-        raise ProtocolError("the transport cancelled a message nobody asked it to cancel")
-    if inp in (Input.CANCEL, Input.TIMEOUT):
-        if pending is not Pending.NONE:
-            return Step(state, pending, (), False)
-        asked = Pending.CANCEL if inp is Input.CANCEL else Pending.TIMEOUT
-        return Step(state, asked, (), True)
-    # SHUTDOWN: cancelled at once, with no handler and no word from the transport.
-    return Step(State.CANCELLED, Pending.NONE, (), False)
-
-
-def _build_table() -> dict[tuple[bool, State, Pending, Input], Step]:
-    table = {}
-    for key in itertools.product((True, False), State, Pending, Input):
-        with contextlib.suppress(ProtocolError):
-            table[key] = transition(*key)
-    return table
-
-
-# Every legal (origin, state, pending, input); a missing key is a ProtocolError.
-TABLE = _build_table()
-
 _ORIGIN_OPS = (Op.SEND, Op.PUT)
+Waiters = list[asyncio.Future[None]]
 
 
-class Message:
+class Message(Operation):
     """The handle of one posted message: its state, its receipt, and awaitables.
 
     `await msg` returns the final Receipt at completion, or raises
@@ -145,21 +48,13 @@ class Message:
         "_submission_waiters",
         "_waiters",
         "_world",
-        "address",
-        "buffer",
-        "deadline",
         "error",
         "length",
-        "op",
         "origin",
-        "peer",
         "remote_pid",
         "remote_tag",
         "schedule",
         "submitted_seen",
-        "tag",
-        "timer",
-        "transport_data",
     )
 
     def __init__(
@@ -171,14 +66,11 @@ class Message:
         tag: int,
         address: int,
         schedule: Schedule,
+        deadline: float | None = None,
     ) -> None:
+        super().__init__(op, buffer, peer, tag, address, deadline)
         self._world = world
-        self.op = op
         self.origin = op in _ORIGIN_OPS
-        self.buffer = buffer
-        self.peer = peer  # destination (send, put) or source (recv, get); may be ANY_SOURCE
-        self.tag = tag  # may be ANY_TAG for recv; 0 for put and get
-        self.address = address  # target address of put/get
         self.schedule = schedule
         self._state = State.POSTED
         self._pending = Pending.NONE
@@ -188,14 +80,9 @@ class Message:
         self.remote_pid = peer
         self.remote_tag = tag
         self.error: BaseException | None = None
-        self.deadline: float | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.transport_data: Any = None  # the transport's own slot
         self._address: int | None = None
-        # One future per awaiting task, so that cancelling one task never cancels
-        # another's await (that task gets the outcome; the match may win).
-        self._waiters: list[asyncio.Future[None]] | None = None  # made by the first await
-        self._submission_waiters: list[asyncio.Future[None]] | None = None
+        self._waiters: Waiters | None = None  # made by the first await
+        self._submission_waiters: Waiters | None = None
 
     # -- what users read --------------------------------------------------------
 
@@ -258,11 +145,9 @@ class Message:
 
     def __await__(self) -> Generator[Any, None, Receipt]:
         if not self._state.terminal:
-            future = self._world.new_future(self)
-            if self._waiters is None:
-                self._waiters = []
-            self._waiters.append(future)
-            yield from future.__await__()
+            future = self._world.waiter(self, submission=False)
+            if future is not None:
+                yield from future.__await__()
         return self.outcome()
 
     def outcome(self) -> Receipt:
@@ -275,7 +160,7 @@ class Message:
         assert isinstance(self.error, (MessageTimeout, MessageFailed)), state
         raise self.error
 
-    # -- what the world writes (under its lock) ------------------------------------
+    # -- what the world calls, under its lock ---------------------------------------
 
     def apply(self, inp: Input) -> Step:
         """Apply `inp` to this message; ProtocolError if it can never receive it."""
@@ -290,6 +175,44 @@ class Message:
         if Event.SUBMISSION in step.events:
             self.submitted_seen = True
         return step
+
+    def settle(self, length: int | None, peer: int | None, tag: int | None,
+               error: BaseException | None) -> None:
+        """Record the facts of the terminal outcome just applied."""
+        if length is not None:
+            self.length = length
+        if peer is not None:
+            self.remote_pid = peer
+        if tag is not None:
+            self.remote_tag = tag
+        if self._state is State.TIMED_OUT:
+            self.error = MessageTimeout(f"{self!r} timed out")
+        elif self._state is State.FAILED:
+            self.error = error
+
+    def add_waiter(self, future: asyncio.Future[None], *, submission: bool) -> bool:
+        """Register an awaiter; False if what it awaits has happened already."""
+        if self._state.terminal or (submission and self.submitted_seen):
+            return False
+        if submission:
+            if self._submission_waiters is None:
+                self._submission_waiters = []
+            self._submission_waiters.append(future)
+        else:
+            if self._waiters is None:
+                self._waiters = []
+            self._waiters.append(future)
+        return True
+
+    def take_waiters(self) -> Waiters | None:
+        """Detach the awaiters that the state reached now lets go."""
+        woken = self._submission_waiters if self.submitted_seen or self._state.terminal else None
+        if woken is not None:
+            self._submission_waiters = None
+        if self._state.terminal and self._waiters:
+            woken = self._waiters if woken is None else woken + self._waiters
+            self._waiters = None
+        return woken
 
     def __repr__(self) -> str:
         where = "tag" if self.op in (Op.SEND, Op.RECV) else "address"
@@ -309,11 +232,9 @@ class _Submitted:
     def __await__(self) -> Generator[Any, None, Receipt]:
         msg = self._msg
         if not msg.submitted_seen and not msg.done():
-            future = msg._world.new_future(msg)
-            if msg._submission_waiters is None:
-                msg._submission_waiters = []
-            msg._submission_waiters.append(future)
-            yield from future.__await__()
+            future = msg._world.waiter(msg, submission=True)
+            if future is not None:
+                yield from future.__await__()
         if msg.submitted_seen:
             return msg.receipt_for(Event.SUBMISSION)
         return msg.outcome()  # ended without submission: raises its outcome

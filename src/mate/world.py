@@ -1,37 +1,48 @@
 """The world: the MATE API of one process, and the sink its transport reports to.
 
 `World` checks every argument (raising `InvalidArgument` from the call
-itself), creates `Message`s, arms their timeouts, hands them to the transport,
-and turns what the transport reports into state changes (`mate.message`),
-schedule handlers (`mate.dispatch`) and resolved awaitables.
+itself), creates `Message`s, arms their deadlines (`mate.deadlines`), hands
+them to the transport, and turns what the transport reports into state
+changes (`mate.machine`, applied by `Message.apply` under the world's lock),
+schedule handlers (`mate.dispatch`) and woken awaiters.
 
-Timeouts use the event loop's timer heap (O(log n) per message, no scan of
-the outstanding messages). The clock starts at post; deadlines are kept on
-`time.monotonic()` and checked again when the timer fires, so a timeout never
-fires early even on loops whose clock is cached or coarse (uvloop). An
-elapsed timeout only asks the transport to cancel: the message times out when
-the transport confirms, or completes if its data had already landed.
+Reports may come from any thread. With handlers on the loop, a report that
+comes from another thread is applied on the loop's thread, through the one
+entry queue (`mate.entry`): a progress pass's reports make one hop. With
+handlers in the progress thread, reports are applied at once, in the thread
+that made them, and only the awaiters' wake-up hops to the loop.
+
+The clock starts at post. An elapsed timeout only asks the transport to
+cancel: the message times out when the transport confirms, or completes if
+its data had already landed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
+import logging
 import math
 import operator
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from mate.buffers import byte_view
 from mate.constants import ANY_SOURCE, ANY_TAG, UNSET, UnsetType
+from mate.deadlines import Deadlines, LoopDeadlines, ThreadDeadlines
 from mate.dispatch import MODES, Dispatcher
-from mate.errors import FailureReason, InvalidArgument, MessageFailed, MessageTimeout
-from mate.message import Input, Message
-from mate.schedule import Op, Region, Schedule, State
-from mate.transports.base import Transport
+from mate.entry import EntryQueue
+from mate.errors import FailureReason, InvalidArgument
+from mate.machine import Input
+from mate.message import Message, Waiters
+from mate.schedule import Op, Region, Schedule
+from mate.transports.base import Operation, Report, Transport, failure
+
+logger = logging.getLogger("mate")
 
 _NO_SCHEDULE = Schedule()
 ADDRESS_LIMIT = 2**64  # one past the last byte a region can hold
@@ -62,8 +73,13 @@ class World:
         self._loop = loop
         self.default_timeout = check_seconds(default_timeout, "default_timeout")
         self.handlers = check_handlers(handlers)
-        self._dispatcher = Dispatcher(loop, self.handlers)
-        self._lock = threading.Lock()  # guards message states and the outstanding set
+        self._entry = EntryQueue(loop)
+        self._dispatcher = Dispatcher(loop, self.handlers, self._entry)
+        # Handlers in the progress thread: reports are applied where they come from.
+        self._inline = self.handlers == "progress"
+        self._deadlines: Deadlines = (ThreadDeadlines(self._expire) if self._inline
+                                      else LoopDeadlines(loop, self._expire))
+        self._lock = threading.Lock()  # guards message states, waiters, the outstanding set
         self._outstanding: set[Message] = set()
         self._exposed: Counter[Region] = Counter()
         self._transport: Transport | None = None
@@ -172,6 +188,7 @@ class World:
             outstanding = list(self._outstanding)
         for msg in outstanding:
             self.advance(msg, Input.SHUTDOWN)
+        self._deadlines.close()
         await self._dispatcher.close()
         if self._transport is not None:
             await self._transport.shutdown()
@@ -248,47 +265,73 @@ class World:
             seconds = None
         else:
             seconds = check_seconds(timeout, "timeout")
-        msg = Message(self, op, view, peer, tag, address, schedule)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        msg = Message(self, op, view, peer, tag, address, schedule, deadline)
         with self._lock:
             self._outstanding.add(msg)
-        if seconds is not None:
-            msg.deadline = time.monotonic() + seconds
-            self._dispatcher.call_on_loop(self._arm, msg)
+        if deadline is not None:
+            self._deadlines.arm(msg, deadline)
         transport.post(msg)
         return msg
 
-    # -- timeouts -------------------------------------------------------------------
-
-    def _arm(self, msg: Message) -> None:
-        if not msg.done() and msg.deadline is not None:
-            msg.timer = self._loop.call_later(
-                max(msg.deadline - time.monotonic(), 0.0), self._expire, msg
-            )
-
     def _expire(self, msg: Message) -> None:
-        msg.timer = None
-        if msg.deadline is not None and time.monotonic() < msg.deadline:
-            self._arm(msg)  # the loop's clock ran ahead of ours: never fire early
-        else:
-            self.advance(msg, Input.TIMEOUT)
+        """Its deadline passed (the loop's or the timeout thread's clock)."""
+        self.advance(msg, Input.TIMEOUT)
 
-    # -- the sink: what the transport reports ------------------------------------------
+    # -- the sink: what the transport reports, from any thread ---------------------------
 
-    def submitted(self, msg: Message) -> None:
-        self.advance(msg, Input.SUBMITTED)
+    def submitted(self, op: Operation) -> None:
+        self._route(Report(Input.SUBMITTED, op))
 
-    def completed(self, msg: Message, length: int, peer: int, tag: int) -> None:
-        self.advance(msg, Input.COMPLETED, length, peer, tag)
+    def completed(self, op: Operation, length: int, peer: int, tag: int) -> None:
+        self._route(Report(Input.COMPLETED, op, length, peer, tag))
 
-    def failed(self, msg: Message, reason: FailureReason, detail: str = "", *,
+    def failed(self, op: Operation, reason: FailureReason, detail: str = "", *,
                cause: BaseException | None = None, length: int = 0,
                peer: int | None = None, tag: int | None = None) -> None:
-        error = MessageFailed(reason, detail)
-        error.__cause__ = cause
-        self.advance(msg, Input.FAILED, length, peer, tag, error)
+        self._route(Report(Input.FAILED, op, length, peer, tag, failure(reason, detail, cause)))
 
-    def cancelled(self, msg: Message) -> None:
-        self.advance(msg, Input.CANCELLED)
+    def cancelled(self, op: Operation) -> None:
+        self._route(Report(Input.CANCELLED, op))
+
+    def report_all(self, reports: Sequence[Report]) -> None:
+        if not (self._inline or self._entry.on_loop_thread()):
+            self._entry.run_each_soon(self._apply_later, reports)  # one lock, one hop
+            return
+        first: Exception | None = None
+        for report in reports:  # each applied, even after one that is a transport bug
+            try:
+                self._apply(report)
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        self._entry.call_on_loop(fn, *args)
+
+    def _route(self, report: Report) -> None:
+        if self._inline or self._entry.on_loop_thread():
+            self._apply(report)  # a ProtocolError goes back to the transport that erred
+        else:
+            self._entry.run_soon(self._apply_later, report)
+
+    def _apply(self, report: Report) -> None:
+        msg = report.op
+        assert isinstance(msg, Message), msg  # the world posts only its messages
+        self.advance(msg, report.input, report.length, report.peer, report.tag, report.error)
+
+    def _apply_later(self, report: Report) -> None:
+        """`_apply` on the loop, after a hop: nobody to raise to, so a report that is a
+        transport bug fails its message with TRANSPORT (the error chained) and is logged."""
+        try:
+            self._apply(report)
+        except Exception as exc:
+            msg = report.op
+            assert isinstance(msg, Message), msg
+            logger.error("mate: %s reported for %r", report.input.name, msg, exc_info=exc)
+            self.advance(msg, Input.FAILED,
+                         error=failure(FailureReason.TRANSPORT, f"transport error: {exc!r}", exc))
 
     def advance(self, msg: Message, inp: Input, length: int | None = None,
                 peer: int | None = None, tag: int | None = None,
@@ -299,17 +342,11 @@ class World:
             step = msg.apply(inp)
             ended = was_live and step.state.terminal
             if ended:
-                if length is not None:
-                    msg.length = length
-                if peer is not None:
-                    msg.remote_pid = peer
-                if tag is not None:
-                    msg.remote_tag = tag
-                if step.state is State.TIMED_OUT:
-                    msg.error = MessageTimeout(f"{msg!r} timed out")
-                elif step.state is State.FAILED:
-                    msg.error = error
+                msg.settle(length, peer, tag, error)
                 self._outstanding.discard(msg)
+                if msg.deadline is not None:
+                    self._deadlines.ended()
+            woken = msg.take_waiters() if step.events or ended else None
         if step.ask_cancel:
             assert self._transport is not None
             self._transport.cancel(msg)
@@ -317,28 +354,21 @@ class World:
             handler, data = msg.schedule.handler_for(event)
             if handler is not None:
                 self._dispatcher.dispatch(handler, msg.receipt_for(event), data)
-        if ended:
-            self._dispatcher.call_on_loop(self._finish, msg)
-        elif step.events and msg._submission_waiters:
-            self._dispatcher.call_on_loop(_wake_all, msg._submission_waiters)
-
-    def _finish(self, msg: Message) -> None:
-        if msg.timer is not None:
-            msg.timer.cancel()
-            msg.timer = None
-        if msg._waiters:
-            _wake_all(msg._waiters)
-        if msg._submission_waiters:
-            _wake_all(msg._submission_waiters)
+        if woken:
+            self._entry.call_on_loop(_wake_all, woken)
 
     # -- awaitables ---------------------------------------------------------------------
 
-    def new_future(self, msg: Message) -> asyncio.Future[None]:
-        """A future for a task that awaits `msg`; cancelling it cancels the message."""
+    def waiter(self, msg: Message, *, submission: bool) -> asyncio.Future[None] | None:
+        """A future for a task that awaits `msg` (its submission if `submission`);
+        None if that has happened already. Cancelling it cancels the message."""
         future = self._loop.create_future()
+        with self._lock:
+            if not msg.add_waiter(future, submission=submission):
+                return None
         future.add_done_callback(functools.partial(_cancel_if_abandoned, msg))
         if self._transport is not None and not self._closed:
-            self._transport.awaiting(msg)
+            self._transport.awaiting(msg, msg.done)
         return future
 
     def __repr__(self) -> str:
@@ -347,24 +377,29 @@ class World:
         return f"<World {self.mypid}/{self.numprocs} {name} {state}>"
 
 
-async def open_world(opener: Callable[..., Transport], *, default_timeout: float = 1.0,
+Opener = Callable[..., "Transport | Awaitable[Transport]"]
+
+
+async def open_world(opener: Opener, *, default_timeout: float = 1.0,
                      handlers: str = "loop", **options: Any) -> World:
-    """Open this process's world on the transport that `opener(sink, loop, ...)` makes."""
+    """Open this process's world on the transport that `opener(sink, loop, ...)` makes.
+
+    The opener may be a coroutine function: a transport whose bootstrap waits
+    for its peers (exchanging addresses) does so without blocking the loop.
+    """
     loop = asyncio.get_running_loop()
     world = World(loop, default_timeout=default_timeout, handlers=handlers)
-    world.attach(opener(world, loop, handlers=handlers, **options))
+    transport = opener(world, loop, handlers=handlers, **options)
+    if inspect.isawaitable(transport):
+        transport = await transport
+    world.attach(transport)
     return world
 
 
-def _wake(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _wake_all(futures: list[asyncio.Future[None]]) -> None:
+def _wake_all(futures: Waiters) -> None:
     for future in futures:
-        _wake(future)
-    futures.clear()
+        if not future.done():
+            future.set_result(None)
 
 
 def _cancel_if_abandoned(msg: Message, future: asyncio.Future[None]) -> None:

@@ -1,21 +1,23 @@
 """The contract between the core and a transport.
 
 The core (`mate.world`, `mate.message`) owns everything the user sees:
-argument checks, states, timeouts, handlers and awaitables. A transport owns
-only the wire. It implements `Transport`, and reports what happens to each
-message through the `Sink` it was opened with. Data flows like this:
+argument checks, states, deadlines, handlers and awaitables. A transport owns
+only the wire. It implements `Transport`, sees each message as an `Operation`
+(never a `mate.message.Message`, never an asyncio future), and reports what
+happens to it through the `Sink` it was opened with. Data flows like this:
 
-    world.send(buf, 1)  ->  Message (POSTED)  ->  transport.post(msg)
+    world.send(buf, 1)  ->  Message (an Operation, POSTED)  ->  transport.post(op)
     ... the wire ...
-    transport  ->  sink.submitted(msg) / sink.completed(msg, ...) / sink.failed(msg, ...)
-    sink (the world)  ->  state machine  ->  schedule handlers and awaiters
+    transport  ->  sink.submitted(op) / sink.completed(op, ...) / sink.failed(op, ...)
+    sink (the world)  ->  one hop to the loop if needed  ->  state machine
+                      ->  schedule handlers and awaiters
 
 Rules a transport keeps:
 
 * `post` starts the operation and returns; it never reports an event from
   inside `post` (handlers never run inside the posting call), and it never
   raises for a fault of the transfer: faults are `sink.failed`.
-* Every posted message gets exactly one terminal report: `completed`,
+* Every posted operation gets exactly one terminal report: `completed`,
   `failed`, or (only after `cancel` was asked) `cancelled`. `submitted` is
   reported at most once, for send and put, before or together with
   `completed` (a transport may skip it: `completed` implies it).
@@ -28,38 +30,91 @@ Rules a transport keeps:
   order they were posted (non-overtaking); receives match in posting order.
 * Put and get touch only memory inside a region the target exposed; anything
   else fails with `FailureReason.REMOTE_ACCESS` before touching memory.
-* Reports come on the event loop's thread, except when the world was opened
-  with `handlers="progress"` (and the transport supports it), when they may
-  come from the transport's progress thread. The sink is thread-safe.
 
-A transport reads a message's public fields (`op`, `buffer` - a flat byte
-memoryview -, `peer`, `tag`, `address`) and may keep its own state in
-`msg.transport_data`.
+Threads:
+
+* `post`, `cancel`, `expose` and `progress` are called on the event loop's
+  thread, and, when the world runs handlers in the progress thread
+  (``handlers="progress"``), also from a handler in that thread and (`cancel`)
+  from the core's timeout thread: a transport with threads makes them safe to
+  call from any of these. `unexpose` and `shutdown` are coroutines on the
+  loop; `awaiting` is called on the loop's thread.
+* The sink may be called from any thread, at any time but from inside `post`.
+  The core alone moves work onto the loop's thread (one lock and one
+  `call_soon_threadsafe` per batch), so a transport has no hop of its own:
+  a progress pass that completes many operations hands them over at once
+  with `sink.report_all`, and a transport that must wake something of its
+  own on the loop (an `unexpose` waiting for peers) uses `sink.call_on_loop`.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
-from mate.errors import FailureReason
-from mate.schedule import Region
+from mate.errors import FailureReason, MessageFailed
+from mate.machine import Input
+from mate.schedule import Op, Region
 
-if TYPE_CHECKING:
-    from mate.message import Message
+
+class Operation:
+    """What a transport sees of a posted message: the fields it may read and write.
+
+    Read only: `op`, `buffer` (a flat byte memoryview, kept alive until the
+    terminal report), `peer` (the destination of send and put, the source of
+    recv and get, possibly `ANY_SOURCE`), `tag` (possibly `ANY_TAG` for recv; 0
+    for put and get), `address` (the target address of put and get) and
+    `deadline` (`time.monotonic()` seconds, or None: an operation with a
+    deadline may be abandoned by a cancel, so a transport that cannot recall
+    it works on a copy). Read and write: `transport_data`, the transport's own
+    slot. A layer (`mate.faults`) makes operations of its own to post below it.
+    """
+
+    __slots__ = ("address", "buffer", "deadline", "op", "peer", "tag", "transport_data")
+
+    def __init__(self, op: Op, buffer: memoryview, peer: int, tag: int = 0,
+                 address: int = 0, deadline: float | None = None) -> None:
+        self.op = op
+        self.buffer = buffer
+        self.peer = peer
+        self.tag = tag
+        self.address = address
+        self.deadline = deadline
+        self.transport_data: Any = None
+
+
+class Report(NamedTuple):
+    """One thing a transport tells the core about one operation (`Sink.report_all`)."""
+
+    input: Input  # SUBMITTED, COMPLETED, FAILED or CANCELLED
+    op: Operation
+    length: int | None = None  # bytes moved (completed, failed)
+    peer: int | None = None  # resolves a wildcard source
+    tag: int | None = None  # resolves a wildcard tag
+    error: MessageFailed | None = None  # failed
+
+
+def failure(reason: FailureReason, detail: str = "",
+            cause: BaseException | None = None) -> MessageFailed:
+    """The error a failed operation ends with, `cause` chained."""
+    error = MessageFailed(reason, detail)
+    error.__cause__ = cause
+    return error
 
 
 class Sink(Protocol):
-    """What a transport reports back to the core."""
+    """What a transport reports back to the core; callable from any thread."""
 
-    def submitted(self, msg: Message) -> None: ...
+    def submitted(self, op: Operation) -> None:
+        """The local buffer is no longer read (send and put)."""
 
-    def completed(self, msg: Message, length: int, peer: int, tag: int) -> None:
+    def completed(self, op: Operation, length: int, peer: int, tag: int) -> None:
         """The operation completed: `length` bytes moved; `peer` and `tag` resolve wildcards."""
 
     def failed(
         self,
-        msg: Message,
+        op: Operation,
         reason: FailureReason,
         detail: str = "",
         *,
@@ -70,7 +125,7 @@ class Sink(Protocol):
     ) -> None:
         """The operation can never complete (`cause` is chained to the error)."""
 
-    def cancelled(self, msg: Message) -> None:
+    def cancelled(self, op: Operation) -> None:
         """A cancel that the core asked for took effect at this end.
 
         A receive consumed no message. A send or put was stopped or abandoned:
@@ -78,6 +133,12 @@ class Sink(Protocol):
         may still deliver it, from an internal copy, never from the user's
         buffer (SPEC §1: a send that timed out may still have arrived).
         """
+
+    def report_all(self, reports: Sequence[Report]) -> None:
+        """Many reports at once, in order: what one progress pass found."""
+
+    def call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` on the event loop's thread: now if there, else soon."""
 
 
 class Transport(abc.ABC):
@@ -100,12 +161,12 @@ class Transport(abc.ABC):
         self._sink = sink
 
     @abc.abstractmethod
-    def post(self, msg: Message) -> None:
-        """Start `msg` (send, recv, put or get); report its events to the sink."""
+    def post(self, op: Operation) -> None:
+        """Start `op` (send, recv, put or get); report its events to the sink."""
 
     @abc.abstractmethod
-    def cancel(self, msg: Message) -> None:
-        """Stop `msg` if no data has landed (report `cancelled`), else let it complete."""
+    def cancel(self, op: Operation) -> None:
+        """Stop `op` if no data has landed (report `cancelled`), else let it complete."""
 
     @abc.abstractmethod
     def expose(self, buffer: memoryview) -> Region:
@@ -118,8 +179,8 @@ class Transport(abc.ABC):
     def progress(self) -> None:  # noqa: B027 - a no-op is right for independent progress
         """Drive progress by hand (mate_progress); a no-op with independent progress."""
 
-    def awaiting(self, msg: Message) -> None:  # noqa: B027 - see above
-        """A task has started awaiting `msg`: transports driven by hand drive it until done."""
+    def awaiting(self, op: Operation, done: Callable[[], bool]) -> None:  # noqa: B027
+        """A task awaits `op` until `done()`: transports driven by hand drive it until then."""
 
     def stats(self) -> dict[str, int]:
         """The transport's counters (`world.stats()`); none by default."""
@@ -127,5 +188,4 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def shutdown(self) -> None:
-        """Release everything. Outstanding messages were already ended by the core."""
-
+        """Release everything. Outstanding operations were already ended by the core."""

@@ -34,9 +34,8 @@ from mate.buffers import address_of
 from mate.constants import ANY_SOURCE
 from mate.errors import FailureReason, InvalidArgument
 from mate.matching import PostedReceives, UnexpectedMessages
-from mate.message import Message
 from mate.schedule import Op, Region
-from mate.transports.base import Sink, Transport
+from mate.transports.base import Operation, Sink, Transport
 from mate.world import World, check_handlers, check_seconds
 
 DEFAULT_EAGER_LIMIT = 64 * 1024
@@ -59,7 +58,7 @@ class _Arrival:
 
     __slots__ = ("data", "sender", "source", "tag")
 
-    def __init__(self, source: int, tag: int, data: bytes | None, sender: Message | None):
+    def __init__(self, source: int, tag: int, data: bytes | None, sender: Operation | None):
         self.source = source
         self.tag = tag
         self.data = data  # eager: a copy of the message
@@ -83,24 +82,24 @@ class LocalTransport(Transport):
         self.eager_limit = eager_limit
         self._sink = sink
         self._loop = loop
-        self._posted: PostedReceives[Message] = PostedReceives()
+        self._posted: PostedReceives[Operation] = PostedReceives()
         self._unexpected: UnexpectedMessages[_Arrival] = UnexpectedMessages()
         self._regions: list[tuple[Region, memoryview]] = []
         # What peers hold that names this rank, with the peer holding it, so that
         # shutting this rank down visits only those (visiting every peer made the
         # shutdown of a group quadratic in its size): receives posted for a
         # message from this rank, and this rank's rendezvous sends parked there.
-        self._awaited: dict[Message, LocalTransport] = {}
-        self._parked: dict[Message, LocalTransport] = {}
+        self._awaited: dict[Operation, LocalTransport] = {}
+        self._parked: dict[Operation, LocalTransport] = {}
         fabric.ranks[rank] = self
 
     # -- posting and cancelling ------------------------------------------------------
 
-    def post(self, msg: Message) -> None:
+    def post(self, msg: Operation) -> None:
         msg.transport_data = _Stage.QUEUED
         self._loop.call_soon(self._carry_out, msg)
 
-    def _carry_out(self, msg: Message) -> None:
+    def _carry_out(self, msg: Operation) -> None:
         if msg.transport_data is not _Stage.QUEUED or self.fabric.ranks[self.mypid] is not self:
             return  # cancelled while queued, or this rank was shut down
         msg.transport_data = _Stage.DONE
@@ -112,7 +111,7 @@ class LocalTransport(Transport):
         else:
             self._one_sided(msg)
 
-    def cancel(self, msg: Message) -> None:
+    def cancel(self, msg: Operation) -> None:
         stage = msg.transport_data
         if stage is _Stage.QUEUED:
             msg.transport_data = _Stage.CANCELLED
@@ -131,7 +130,7 @@ class LocalTransport(Transport):
 
     # -- two-sided -------------------------------------------------------------------
 
-    def _send(self, msg: Message) -> None:
+    def _send(self, msg: Operation) -> None:
         dest = self.fabric.ranks[msg.peer]
         if dest is None:
             self._sink.failed(msg, FailureReason.PEER_UNREACHABLE,
@@ -154,7 +153,7 @@ class LocalTransport(Transport):
             dest._unexpected.add(self.mypid, msg.tag, arrival)
             self._parked[msg] = dest
 
-    def _recv(self, msg: Message) -> None:
+    def _recv(self, msg: Operation) -> None:
         arrival = self._unexpected.match(msg.peer, msg.tag)
         if arrival is None:
             if msg.peer != ANY_SOURCE:
@@ -179,7 +178,7 @@ class LocalTransport(Transport):
             del origin._parked[sender]
             origin._sink.completed(sender, len(sender.buffer), self.mypid, sender.tag)
 
-    def _deliver(self, recv: Message, source: int, tag: int, data: memoryview) -> None:
+    def _deliver(self, recv: Operation, source: int, tag: int, data: memoryview) -> None:
         n, room = len(data), len(recv.buffer)
         if n > room:
             recv.buffer[:] = data[:room]
@@ -192,7 +191,7 @@ class LocalTransport(Transport):
 
     # -- one-sided -------------------------------------------------------------------
 
-    def _one_sided(self, msg: Message) -> None:
+    def _one_sided(self, msg: Operation) -> None:
         target = self.fabric.ranks[msg.peer]
         if target is None:
             self._sink.failed(msg, FailureReason.PEER_UNREACHABLE,

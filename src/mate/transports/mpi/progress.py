@@ -132,10 +132,11 @@ class _Requests:
 
 class Engine:
     def __init__(self, loop: asyncio.AbstractEventLoop, mode: str,
-                 on_error: ErrorHandler) -> None:
+                 on_error: ErrorHandler, on_pass_end: Callable[[], None]) -> None:
         self.mode = mode
         self._loop = loop
         self._on_error = on_error
+        self._on_pass_end = on_pass_end  # the transport hands the pass's reports over
         self._live = _Requests()
         self._orphans = _Requests()  # abandoned sends, left for MPI to finish
         self._next_orphan_test = 0.0
@@ -219,6 +220,12 @@ class Engine:
 
     def test(self) -> bool:
         """Run queued calls, test every request, run the actions; True if anything moved."""
+        try:
+            return self._pass()
+        finally:
+            self._on_pass_end()
+
+    def _pass(self) -> bool:
         self._passes += 1
         with self._lock:
             inbox, self._inbox = self._inbox, []

@@ -48,8 +48,8 @@ from mpi4py import MPI
 
 from mate.buffers import address_of
 from mate.errors import FailureReason
-from mate.message import Message
 from mate.schedule import Op, Region
+from mate.transports.base import Operation
 from mate.transports.mpi.transport import CONTROL_EAGER, HEADER
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class _Op:
 
     __slots__ = ("abandoned", "copied", "data", "ended", "request", "submitted", "waiting")
 
-    def __init__(self, msg: Message, *, copy: bool) -> None:
+    def __init__(self, msg: Operation, *, copy: bool) -> None:
         self.copied = copy  # works on `data`, not the user's buffer: can be abandoned
         if not copy:
             self.data: bytes | bytearray | memoryview = msg.buffer
@@ -124,59 +124,56 @@ class _Rma(abc.ABC):
         self.t = transport
         self.regions = _Regions()
 
-    def submit(self, msg: Message) -> None:
+    def submit(self, msg: Operation) -> None:
         """Start a put or get in the progress context, after the posting call returns."""
         self.t.engine.call(self.start, msg, owner=msg)
 
     put = get = submit
 
     @abc.abstractmethod
-    def start(self, msg: Message) -> None:
+    def start(self, msg: Operation) -> None:
         """Issue a put or get (progress context)."""
 
-    def cancel(self, msg: Message) -> None:
+    def cancel(self, msg: Operation) -> None:
         """Abandon `msg` if it works on a copy (progress context); see the docstring."""
         op: _Op | None = msg.transport_data
         if op is not None and op.live and op.copied:
             op.abandoned = True
-            self.t.report(self.t.sink.cancelled, msg)
+            self.t.report_cancelled(msg)
 
-    def report_submitted(self, msg: Message) -> None:
+    def report_submitted(self, msg: Operation) -> None:
         op: _Op = msg.transport_data
         if op.live and not op.submitted:
             op.submitted = True
-            self.t.report(self.t.sink.submitted, msg)
+            self.t.report_submitted(msg)
 
-    def report_completed(self, msg: Message) -> None:
+    def report_completed(self, msg: Operation) -> None:
         op: _Op = msg.transport_data
         if op.live:
             op.ended = True
             if msg.op is Op.GET and op.copied:
                 msg.buffer[:] = op.data
-            self.t.report(self.t.sink.completed, msg, len(msg.buffer), msg.peer, 0)
+            self.t.report_completed(msg, len(msg.buffer), msg.peer, 0)
 
-    def report_failed(self, msg: Message, reason: FailureReason, detail: str,
+    def report_failed(self, msg: Operation, reason: FailureReason, detail: str,
                       cause: BaseException | None = None) -> None:
         op: _Op = msg.transport_data
         if op.live:
             op.ended = True
-            self.t.report(self.t.sink.failed, msg, reason, detail, cause=cause)
+            self.t.report_failed(msg, reason, detail, cause)
 
     def reply(self, dest: int, tag: int, flag: int, value: int = 0) -> None:
         self.t.control_send(dest, HEADER.pack(REPLY, flag, value, 0, 0), tag)
 
-    def refuse(self, msg: Message) -> None:
+    def refuse(self, msg: Operation) -> None:
         n = len(msg.buffer)
         self.report_failed(msg, FailureReason.REMOTE_ACCESS,
                            f"[{msg.address:#x}, +{n}) is not inside a region "
                            f"rank {msg.peer} exposed")
 
     def resolve(self, future: asyncio.Future[None]) -> None:
-        def wake() -> None:
-            if not future.done():
-                future.set_result(None)
-
-        self.t.loop.call_soon_threadsafe(wake)
+        """Wake `future` (an unexpose waiting for peers) on the loop's thread."""
+        self.t.sink.call_on_loop(_set_done, future)
 
 
 class NativeRma(_Rma):
@@ -189,8 +186,8 @@ class NativeRma(_Rma):
         self.readers: set[int] = set()  # peers that fetched this rank's table
         self.tables: dict[int, list[tuple[int, int]]] = {}  # peers' tables, cached
         self.revoked: dict[int, int] = {}  # peer -> latest revoke epoch seen
-        self.waiting: dict[int, list[Message]] = {}  # ops waiting for a peer's table
-        self.to_flush: dict[int, list[Message]] = {}  # puts locally complete, not yet flushed
+        self.waiting: dict[int, list[Operation]] = {}  # ops waiting for a peer's table
+        self.to_flush: dict[int, list[Operation]] = {}  # puts locally complete, not yet flushed
         self.acks: dict[int, tuple[set[int], asyncio.Future[None]]] = {}
         self.issued = 0  # Rput/Rget requests not yet complete
         # MPICH moves an RMA operation along only inside MPI calls, at the origin
@@ -199,7 +196,7 @@ class NativeRma(_Rma):
 
     # -- origin side ---------------------------------------------------------------------
 
-    def start(self, msg: Message, refreshed: bool = False) -> None:
+    def start(self, msg: Operation, refreshed: bool = False) -> None:
         op: _Op = msg.transport_data
         if op is None:  # first start: an operation with a timeout can be abandoned
             op = msg.transport_data = _Op(msg, copy=msg.deadline is not None)
@@ -232,7 +229,7 @@ class NativeRma(_Rma):
         self.issued += 1
         self.t.engine.add(request, lambda status, error: self.local_done(msg, error), owner=msg)
 
-    def local_done(self, msg: Message, error: MPI.Exception | None) -> None:
+    def local_done(self, msg: Operation, error: MPI.Exception | None) -> None:
         self.issued -= 1
         if error is not None:
             self.report_failed(msg, FailureReason.TRANSPORT, f"MPI_R{msg.op.value}: {error}",
@@ -288,12 +285,12 @@ class NativeRma(_Rma):
         for msg in waiting:
             self.start(msg, refreshed=True)
 
-    def cancel(self, msg: Message) -> None:
+    def cancel(self, msg: Operation) -> None:
         op: _Op | None = msg.transport_data
         if op is not None and op.waiting:  # not issued yet: nothing to abandon
             op.waiting = False
             op.abandoned = True
-            self.t.report(self.t.sink.cancelled, msg)
+            self.t.report_cancelled(msg)
         else:
             super().cancel(msg)
 
@@ -365,12 +362,12 @@ class NativeRma(_Rma):
 class EmulatedRma(_Rma):
     def __init__(self, transport: MpiTransport) -> None:
         super().__init__(transport)
-        self.refused: dict[int, Message] = {}  # gets by reply tag, until the data or a refusal
+        self.refused: dict[int, Operation] = {}  # gets by reply tag, until the data or a refusal
         self.drained: dict[Region, asyncio.Future[None]] = {}
 
     # -- origin side ---------------------------------------------------------------------
 
-    def start(self, msg: Message) -> None:
+    def start(self, msg: Operation) -> None:
         t, n = self.t, len(msg.buffer)
         tag = t.new_tag()
         eager = msg.op is Op.PUT and n <= CONTROL_EAGER  # its data travels in the request
@@ -394,7 +391,7 @@ class EmulatedRma(_Rma):
             if op.copied:
                 self.report_submitted(msg)
 
-    def got(self, msg: Message, tag: int, status: MPI.Status,
+    def got(self, msg: Operation, tag: int, status: MPI.Status,
             error: MPI.Exception | None) -> None:
         msg.transport_data.request = None
         if self.refused.pop(tag, None) is None:  # refused: the receive was cancelled
@@ -404,7 +401,7 @@ class EmulatedRma(_Rma):
         else:
             self.report_completed(msg)
 
-    def cleared(self, msg: Message, tag: int, reply: bytearray,
+    def cleared(self, msg: Operation, tag: int, reply: bytearray,
                 error: MPI.Exception | None) -> None:
         """The target answered a rendezvous put's RTS: send the data to its private tag.
 
@@ -424,7 +421,7 @@ class EmulatedRma(_Rma):
                      owner=msg, standing=True)
         self.await_ack(msg, tag)
 
-    def await_ack(self, msg: Message, tag: int) -> None:
+    def await_ack(self, msg: Operation, tag: int) -> None:
         ack = bytearray(HEADER.size)
 
         def acked(status: MPI.Status, error: MPI.Exception | None) -> None:
@@ -512,3 +509,8 @@ class EmulatedRma(_Rma):
 
     def free(self) -> None:
         pass  # nothing beyond the communicators
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

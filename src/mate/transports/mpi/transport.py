@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -43,9 +42,9 @@ from mpi4py import MPI
 
 from mate.constants import ANY_SOURCE, ANY_TAG
 from mate.errors import FailureReason
-from mate.message import Message
+from mate.machine import Input
 from mate.schedule import Op, Region
-from mate.transports.base import Sink, Transport
+from mate.transports.base import Operation, Report, Sink, Transport, failure
 from mate.transports.mpi.progress import Engine
 
 logger = logging.getLogger("mate")
@@ -89,11 +88,8 @@ class MpiTransport(Transport):
         self.numprocs = self.comm.Get_size()
         self.tag_max = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
         self._next_tag = FIRST_PRIVATE_TAG
-        self.engine = Engine(loop, progress, self._contain)
-        # Thread mode with handlers on the loop: reports go to the loop in batches.
-        self._hop = progress == "thread" and handlers == "loop"
-        self._batch: list[Callable[[], None]] = []
-        self._batch_lock = threading.Lock()
+        self._reports: list[Report] = []  # what the current progress pass found
+        self.engine = Engine(loop, progress, self._contain, self._hand_over)
         from mate.transports.mpi.rma import EmulatedRma, NativeRma
 
         self.rma = NativeRma(self) if rma == "native" else EmulatedRma(self)
@@ -103,30 +99,35 @@ class MpiTransport(Transport):
 
     # -- reporting to the core -----------------------------------------------------------
 
-    def report(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-        """Call a sink method from the progress context, hopping to the loop if needed."""
-        if not self._hop:
-            fn(*args, **kwargs)
-            return
-        with self._batch_lock:
-            self._batch.append(lambda: fn(*args, **kwargs))
-            first = len(self._batch) == 1
-        if first and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._run_batch)
+    # Reports are made in the progress context only (a pass, or the calls it runs),
+    # and handed to the core at the end of the pass, all at once: with handlers on
+    # the loop and a progress thread, that is one hop to the loop per pass.
 
-    def _run_batch(self) -> None:
-        with self._batch_lock:
-            batch, self._batch = self._batch, []
-        for fn in batch:
-            fn()
+    def report_submitted(self, op: Operation) -> None:
+        self._reports.append(Report(Input.SUBMITTED, op))
 
-    def later(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-        """Report from the next progress pass: never from inside the posting call."""
-        self.engine.call(lambda: self.report(fn, *args, **kwargs))
+    def report_completed(self, op: Operation, length: int, peer: int, tag: int) -> None:
+        self._reports.append(Report(Input.COMPLETED, op, length, peer, tag))
 
-    def fail_later(self, msg: Message, reason: FailureReason, detail: str,
+    def report_failed(self, op: Operation, reason: FailureReason, detail: str,
+                      cause: BaseException | None = None, *, length: int = 0,
+                      peer: int | None = None, tag: int | None = None) -> None:
+        self._reports.append(Report(Input.FAILED, op, length, peer, tag,
+                                    failure(reason, detail, cause)))
+
+    def report_cancelled(self, op: Operation) -> None:
+        self._reports.append(Report(Input.CANCELLED, op))
+
+    def _hand_over(self) -> None:
+        """The pass is over: tell the core what it found."""
+        if self._reports:
+            reports, self._reports = self._reports, []
+            self._sink.report_all(reports)
+
+    def fail_later(self, msg: Operation, reason: FailureReason, detail: str,
                    cause: BaseException | None = None) -> None:
-        self.later(self._sink.failed, msg, reason, detail, cause=cause)
+        """Fail `msg` from the next pass: never from inside the posting call."""
+        self.engine.call(self.report_failed, msg, reason, detail, cause)
 
     def _contain(self, exc: BaseException, owner: Any) -> None:
         """An exception escaped a call or action in the progress context.
@@ -136,13 +137,13 @@ class MpiTransport(Transport):
         goes on. A message that already ended ignores the report.
         """
         logger.error("mate: internal error in the MPI transport (%r)", owner, exc_info=exc)
-        if isinstance(owner, Message):
-            self.report(self._sink.failed, owner, FailureReason.TRANSPORT,
-                        f"internal error in the MPI transport: {exc!r}", cause=exc)
+        if isinstance(owner, Operation):
+            self.report_failed(owner, FailureReason.TRANSPORT,
+                               f"internal error in the MPI transport: {exc!r}", exc)
 
     # -- two-sided -----------------------------------------------------------------------
 
-    def post(self, msg: Message) -> None:
+    def post(self, msg: Operation) -> None:
         op = msg.op
         if op is Op.SEND:
             self._post_send(msg)
@@ -153,7 +154,7 @@ class MpiTransport(Transport):
         else:
             self.rma.get(msg)
 
-    def _post_send(self, msg: Message) -> None:
+    def _post_send(self, msg: Operation) -> None:
         if self._orphans[msg.peer] >= self.orphan_limit:
             self.fail_later(msg, FailureReason.RESOURCES,
                             f"rank {msg.peer} holds {self.orphan_limit} sends that timed out "
@@ -169,24 +170,24 @@ class MpiTransport(Transport):
             return
         state = msg.transport_data = _Send(data, copied)
         if copied:
-            self.later(self._sink.submitted, msg)
+            self.engine.call(self.report_submitted, msg)
         state.entry = self.engine.add(
             request, lambda status, error: self._send_done(msg, status, error), owner=msg)
 
-    def _send_done(self, msg: Message, status: MPI.Status, error: MPI.Exception | None) -> None:
+    def _send_done(self, msg: Operation, status: MPI.Status, error: MPI.Exception | None) -> None:
         state: _Send = msg.transport_data
         if state.orphaned:  # matched at last, or failed: MPI has let go of it
             self._orphans[msg.peer] -= 1
             return
         if error is not None:
-            self.report(self._sink.failed, msg, FailureReason.TRANSPORT,
+            self.report_failed(msg, FailureReason.TRANSPORT,
                         f"MPI_Issend: {error}", cause=error)
         elif status.Is_cancelled():
-            self.report(self._sink.cancelled, msg)
+            self.report_cancelled(msg)
         else:
-            self.report(self._sink.completed, msg, len(msg.buffer), msg.peer, msg.tag)
+            self.report_completed(msg, len(msg.buffer), msg.peer, msg.tag)
 
-    def _post_recv(self, msg: Message) -> None:
+    def _post_recv(self, msg: Operation) -> None:
         source = MPI.ANY_SOURCE if msg.peer == ANY_SOURCE else msg.peer
         tag = MPI.ANY_TAG if msg.tag == ANY_TAG else msg.tag
         try:
@@ -198,28 +199,28 @@ class MpiTransport(Transport):
         self.engine.add(request, lambda status, error: self._recv_done(msg, status, error),
                         owner=msg, receive=True)
 
-    def _recv_done(self, msg: Message, status: MPI.Status, error: MPI.Exception | None) -> None:
+    def _recv_done(self, msg: Operation, status: MPI.Status, error: MPI.Exception | None) -> None:
         msg.transport_data = None  # a cancel that comes now finds nothing left to cancel
         if status.Is_cancelled():
-            self.report(self._sink.cancelled, msg)
+            self.report_cancelled(msg)
             return
         length = status.Get_count(MPI.BYTE)
         source, tag = status.Get_source(), status.Get_tag()
         if error is None:
-            self.report(self._sink.completed, msg, length, source, tag)
+            self.report_completed(msg, length, source, tag)
         elif MPI.Get_error_class(status.Get_error()) == MPI.ERR_TRUNCATE:
-            self.report(self._sink.failed, msg, FailureReason.TRUNCATED,
+            self.report_failed(msg, FailureReason.TRUNCATED,
                         f"a message from rank {source} with tag {tag} did not fit in "
                         f"{len(msg.buffer)} bytes", cause=error, length=length,
                         peer=source, tag=tag)
         else:
-            self.report(self._sink.failed, msg, FailureReason.TRANSPORT,
+            self.report_failed(msg, FailureReason.TRANSPORT,
                         f"MPI_Irecv: {error}", cause=error)
 
-    def cancel(self, msg: Message) -> None:
+    def cancel(self, msg: Operation) -> None:
         self.engine.call_at_once(self._cancel, msg, owner=msg)
 
-    def _cancel(self, msg: Message) -> None:
+    def _cancel(self, msg: Operation) -> None:
         if msg.op is Op.RECV:
             # None once the recv completed: its completion was reported, and wins.
             if isinstance(msg.transport_data, MPI.Request):
@@ -234,13 +235,13 @@ class MpiTransport(Transport):
         else:
             self.rma.cancel(msg)
 
-    def _orphan(self, msg: Message) -> None:
+    def _orphan(self, msg: Operation) -> None:
         """A copied send still unmatched: leave it to MPI, end the message now."""
         state: _Send = msg.transport_data
         if not state.orphaned and self.engine.disown(state.entry):
             state.orphaned = True
             self._orphans[msg.peer] += 1
-            self.report(self._sink.cancelled, msg)
+            self.report_cancelled(msg)
 
     # -- control channel -------------------------------------------------------------------
 
@@ -290,8 +291,8 @@ class MpiTransport(Transport):
         if self.engine.mode != "thread":
             self.engine.test()
 
-    def awaiting(self, msg: Message) -> None:
-        self.engine.drive_until(msg.done)
+    def awaiting(self, op: Operation, done: Callable[[], bool]) -> None:
+        self.engine.drive_until(done)
 
     def stats(self) -> dict[str, int]:
         return {"requests": self.engine.user_outstanding, "orphaned_sends": self.engine.orphans}
@@ -331,7 +332,6 @@ class MpiTransport(Transport):
                            self.shutdown_timeout, "" if local else
                            ", and MPI_Finalize may wait for them: this MPI library cannot be "
                            "told not to (only MPICH can)")
-        self._run_batch()
 
     async def _meet(self) -> bool:
         """A barrier of all ranks, given up after `shutdown_timeout`."""

@@ -1,0 +1,152 @@
+"""The transport contract v2 (issue 9): deadlines, awaiters and the hop across threads.
+
+SPMD programs like the conformance suite: in-process on the local transport,
+and under mpiexec (test_mpi.py) in every progress mode. The tests that need
+handlers in a progress thread run where the MPI transport has one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from conftest import LAUNCH_OPTIONS, LAUNCHED, Fabric, barrier
+
+import mate
+from mate.machine import Input
+from mate.schedule import Schedule, State
+from mate.transports.base import Operation, Report, Transport
+from mate.world import World
+
+SLACK = 0.1  # SPEC §2: a timeout fires no later than 0.1 s + 10 % after its value
+THREADED = LAUNCHED == "mpi" and LAUNCH_OPTIONS.get("progress") == "thread"
+needs_progress_thread = pytest.mark.skipif(
+    not THREADED, reason='handlers="progress" needs a progress thread (mpi, thread mode)')
+
+
+@needs_progress_thread
+async def test_a_timeout_fires_while_the_loop_computes(fabric: Fabric) -> None:
+    """Point 3: with handlers in the progress thread, deadlines run on a timeout thread.
+
+    The loop's thread is blocked in time.sleep(1): a 0.1 s receive timeout
+    still fires its handler within 0.1 s + 10 %.
+    """
+    async def program(world: mate.World) -> None:
+        fired: list[float] = []
+        t0 = time.monotonic()
+        msg = world.recv(bytearray(8), (world.mypid + 1) % world.numprocs, 51, timeout=0.1,
+                         schedule=Schedule(timeout=lambda r, d: fired.append(time.monotonic())))
+        time.sleep(1.0)  # the loop computes: it runs no timer, no callback
+        assert fired, "the timeout did not fire while the loop was blocked"
+        assert 0.1 <= fired[0] - t0 <= 0.1 + SLACK + 0.01, fired[0] - t0
+        assert msg.state is State.TIMED_OUT
+        await barrier(world)
+
+    async with fabric.open(handlers="progress") as group:
+        await group.run(program)
+
+
+@needs_progress_thread
+async def test_no_submission_wake_up_is_lost(fabric: Fabric) -> None:
+    """Point 4: `await msg.submitted` returns at submission, not at completion.
+
+    The awaiting task used to read the state without the world's lock, and then
+    register: a submission reported in between (handlers="progress") found no
+    awaiter to wake, and the task woke only at completion. A slow loop widens
+    that gap here (every future the loop makes costs 1 ms), and completion
+    comes seconds later (the receiver waits), so a lost wake-up is a timeout.
+    """
+    count, hold = 200, 4.0
+
+    async def post_and_await_submission(world: mate.World) -> list[mate.Message]:
+        loop = asyncio.get_running_loop()
+        make = loop.create_future
+
+        def slow_future() -> asyncio.Future[object]:
+            time.sleep(0.001)  # the GIL is free: the progress thread runs meanwhile
+            return make()
+
+        loop.create_future = slow_future  # type: ignore[method-assign]
+        sends = []
+        try:
+            for i in range(count):
+                send = world.send(i.to_bytes(4, "little"), 1, tag=52, timeout=None)
+                await asyncio.wait_for(send.submitted, hold / 2)  # type: ignore[arg-type]
+                sends.append(send)
+        finally:
+            loop.create_future = make  # type: ignore[method-assign]
+        return sends
+
+    async def program(world: mate.World) -> None:
+        if world.mypid == 0:
+            await asyncio.gather(*await post_and_await_submission(world))
+        elif world.mypid == 1:
+            await asyncio.sleep(hold)
+            for i in range(count):
+                buffer = bytearray(4)
+                await world.recv(buffer, 0, tag=52, timeout=10)
+                assert int.from_bytes(buffer, "little") == i
+        await barrier(world)
+
+    async with fabric.open(handlers="progress") as group:
+        await group.run(program, timeout=60)
+
+
+class _Silent(Transport):
+    """A wire that never reports by itself: the test reports for it."""
+
+    def __init__(self) -> None:
+        self.mypid, self.numprocs, self.tag_max = 0, 2, 100
+
+    def post(self, op: Operation) -> None:
+        pass
+
+    def cancel(self, op: Operation) -> None:
+        pass
+
+    def expose(self, buffer: memoryview) -> mate.Region:
+        return mate.Region(0, 0, 0)
+
+    async def unexpose(self, region: mate.Region) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass
+
+
+async def test_reports_from_another_thread_hop_once_and_a_bad_one_fails_alone() -> None:
+    """Points 2 and 5: a pass's reports, from a progress thread, reach the loop in one
+    batch; a report that is a transport bug fails its own message with TRANSPORT, and
+    the rest of the batch still applies."""
+    loop = asyncio.get_running_loop()
+    world = World(loop, default_timeout=1.0, handlers="loop")
+    world.attach(_Silent())
+    recv = world.recv(bytearray(4), 1, 3, timeout=None)
+    send = world.send(b"abcd", 1, 3, timeout=None)
+    hops = 0
+    original = loop.call_soon_threadsafe
+
+    def counting(*args: object, **kwargs: object) -> object:
+        nonlocal hops
+        hops += 1
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        batch = [Report(Input.SUBMITTED, recv),  # a recv is never submitted: a bug
+                 Report(Input.SUBMITTED, send),
+                 Report(Input.COMPLETED, send, 4, 1, 3)]
+        thread = threading.Thread(target=world.report_all, args=(batch,))
+        thread.start()
+        thread.join()
+        with pytest.raises(mate.MessageFailed) as failure:
+            await asyncio.wait_for(recv, 5)
+        assert failure.value.reason is mate.FailureReason.TRANSPORT
+        assert isinstance(failure.value.__cause__, Exception)
+        assert (await asyncio.wait_for(send, 5)).length == 4
+    finally:
+        loop.call_soon_threadsafe = original  # type: ignore[method-assign]
+    assert hops == 1
+    await world.shutdown()

@@ -124,7 +124,7 @@ def test_failure(origin: bool, state: State, pending: Pending) -> None:
 
 @pytest.mark.parametrize("origin", [True, False])
 @pytest.mark.parametrize("state", LIVE)
-@pytest.mark.parametrize(("inp", "asked"), [(Input.CANCEL, Pending.CANCEL),
+@pytest.mark.parametrize(("inp", "asked"), [(Input.USER_CANCEL, Pending.CANCEL),
                                             (Input.TIMEOUT, Pending.TIMEOUT)])
 def test_cancel_and_timeout_only_ask_the_transport(
     origin: bool, state: State, inp: Input, asked: Pending
@@ -136,7 +136,7 @@ def test_cancel_and_timeout_only_ask_the_transport(
 @pytest.mark.parametrize("origin", [True, False])
 @pytest.mark.parametrize("state", LIVE)
 @pytest.mark.parametrize("first", [Pending.CANCEL, Pending.TIMEOUT])
-@pytest.mark.parametrize("inp", [Input.CANCEL, Input.TIMEOUT])
+@pytest.mark.parametrize("inp", [Input.USER_CANCEL, Input.TIMEOUT])
 def test_first_cancel_request_wins(
     origin: bool, state: State, first: Pending, inp: Input
 ) -> None:
@@ -192,7 +192,7 @@ def test_message_apply_h11_style() -> None:
     msg = make_message(Op.SEND)
     assert (msg.state, msg.submitted_seen, msg.done()) == (State.POSTED, False, False)
     assert msg.apply(Input.TIMEOUT) == Step(State.POSTED, Pending.TIMEOUT, (), True)
-    assert msg.apply(Input.CANCEL) == Step(State.POSTED, Pending.TIMEOUT, (), False)
+    assert msg.apply(Input.USER_CANCEL) == Step(State.POSTED, Pending.TIMEOUT, (), False)
     assert msg.apply(Input.SUBMITTED).events == (Event.SUBMISSION,)
     assert msg.submitted_seen and msg.state is State.SUBMITTED
     with pytest.raises(ProtocolError):
@@ -214,7 +214,7 @@ def test_message_apply_recv() -> None:
     with pytest.raises(ProtocolError):
         msg.apply(Input.CANCELLED)
     assert msg.state is State.POSTED
-    assert msg.apply(Input.CANCEL).ask_cancel
+    assert msg.apply(Input.USER_CANCEL).ask_cancel
     assert msg.apply(Input.COMPLETED).events == (Event.COMPLETION,)  # match beats cancel
     assert msg.state is State.COMPLETED and not msg.submitted_seen
 
@@ -249,7 +249,7 @@ def test_any_input_sequence_keeps_the_invariants(origin: bool, inputs: list[Inpu
         assert msg.apply(inp) == step  # Message.apply is the table
         if step.ask_cancel:
             asks += 1
-            assert inp in (Input.CANCEL, Input.TIMEOUT) and pending is Pending.NONE
+            assert inp in (Input.USER_CANCEL, Input.TIMEOUT) and pending is Pending.NONE
         if inp is Input.CANCELLED and not state.terminal:
             assert pending is not Pending.NONE  # only an answer to a request
         if step.state.terminal and not state.terminal:

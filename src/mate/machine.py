@@ -15,9 +15,10 @@ each input does (`transition`, built once into `TABLE`):
   it was asked for took effect);
 * the core reports TIMEOUT (the message's deadline passed; `mate.deadlines`)
   and SHUTDOWN;
-* the user reports CANCEL (`msg.cancel()`, or a task awaiting it was cancelled).
+* the user reports USER_CANCEL (`msg.cancel()`, or a task awaiting it was
+  cancelled).
 
-TIMEOUT and CANCEL do not end a message by themselves: they ask the transport
+TIMEOUT and USER_CANCEL do not end a message by themselves: they ask the transport
 to cancel it and remember which outcome was asked for (`Pending`). Only the
 transport knows whether the data already landed, so only its answer ends the
 message: CANCELLED gives the pending outcome, COMPLETED means the match won the
@@ -52,7 +53,7 @@ class Input(enum.Enum):
     COMPLETED = "completed"  # transport
     FAILED = "failed"  # transport
     CANCELLED = "cancelled"  # transport: the requested cancel took effect
-    CANCEL = "cancel"  # user
+    USER_CANCEL = "user cancel"  # user: msg.cancel(), or an awaiting task was cancelled
     TIMEOUT = "timeout"  # core: the armed timeout elapsed
     SHUTDOWN = "shutdown"  # core: the world is shutting down
 
@@ -99,10 +100,10 @@ def transition(origin: bool, state: State, pending: Pending, inp: Input) -> Step
         if pending is Pending.CANCEL:
             return Step(State.CANCELLED, Pending.NONE, (), False)
         raise ProtocolError("the transport cancelled a message nobody asked it to cancel")
-    if inp in (Input.CANCEL, Input.TIMEOUT):
+    if inp in (Input.USER_CANCEL, Input.TIMEOUT):
         if pending is not Pending.NONE:
             return Step(state, pending, (), False)
-        asked = Pending.CANCEL if inp is Input.CANCEL else Pending.TIMEOUT
+        asked = Pending.CANCEL if inp is Input.USER_CANCEL else Pending.TIMEOUT
         return Step(state, asked, (), True)
     # SHUTDOWN: cancelled at once, with no handler and no word from the transport.
     return Step(State.CANCELLED, Pending.NONE, (), False)

@@ -135,7 +135,7 @@ class Message(Operation):
         """
         if self._state.terminal:
             return False
-        self._world.advance(self, Input.CANCEL)
+        self._world.advance(self, Input.USER_CANCEL)
         return True
 
     @property

@@ -2,29 +2,30 @@
 
 MPI has no completion callbacks, so someone must test requests (thesis §5.2).
 The `Engine` keeps every outstanding request with an *action* to run when it
-completes, and one `test()` pass runs `MPI_Testsome` over them all. Who calls
-`test()` is the progress mode:
+completes, and one `test()` pass runs `MPI_Testsome` over them all. Who runs
+passes, and when, is the progress mode, each a small strategy of its own
+sharing one `Backoff`:
 
-* ``poll``: a callback on the event loop, rescheduled with `call_soon` while
-  user messages are outstanding (lowest latency); after `SPIN` seconds without
-  progress it backs off to timers of growing delay (up to `MAX_BACKOFF`, and
-  `LONG_IDLE_BACKOFF` once nothing moved for `LONG_IDLE`), and
-  with only the transport's own standing receives left it polls every
-  `IDLE_INTERVAL`, so that an idle rank does not spin but still serves peers'
-  one-sided requests. A rank whose exposed memory peers use through native RMA
-  is *hot* and never backs off (see `hot`).
-* ``thread``: a progress thread (MPI_THREAD_MULTIPLE) runs the passes, with the
-  same backoff done by sleeping, and sleeps on a condition when nothing at all
-  is outstanding. Actions run in that thread.
-* ``manual``: passes run only from `world.progress()` and while a task awaits a
-  message (`drive_until`).
+* `PollProgress` (``poll``): a callback on the event loop, rescheduled with
+  `call_soon` while user messages are outstanding (lowest latency); after
+  `SPIN` seconds without progress it backs off to timers of growing delay (up
+  to `MAX_BACKOFF`, and `LONG_IDLE_BACKOFF` once nothing moved for
+  `LONG_IDLE`), and with only the transport's own standing receives left it
+  polls every `IDLE_INTERVAL`, so that an idle rank does not spin but still
+  serves peers' one-sided requests. A rank whose exposed memory peers use
+  through native RMA is *hot* and never backs off (see `Engine.hot`).
+* `ThreadProgress` (``thread``): a progress thread (MPI_THREAD_MULTIPLE) runs
+  the passes, with the same backoff done by sleeping, and sleeps on a
+  condition when nothing at all is outstanding. Actions run in that thread.
+* `ManualProgress` (``manual``): passes run only from `world.progress()` and
+  while a task awaits a message (`drive_until`), and, so that timeouts (the
+  core's clock, not progress) take effect at once, while a cancel is carried
+  out (`call_at_once`).
 
 Everything that touches a request after it was posted (testing, cancelling)
 happens in the progress context (`call`), because MPI forbids two threads to
 use one request at once. Posting itself (Isend, Irecv, Rput) may happen on any
-thread. In manual mode a cancel (a timeout's, say) drives passes until it has
-taken effect (`call_at_once`), not until the next `world.progress()`: timeouts
-are the core's clock, not progress.
+thread.
 
 Sends that timed out but that MPI still holds (*orphans*, see transport.py)
 are kept apart from the live requests and tested only every
@@ -39,6 +40,7 @@ so the progress thread survives and other messages carry on.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import os
@@ -56,6 +58,14 @@ Action = Callable[[MPI.Status, "MPI.Exception | None"], None]
 #: (usually a message) that the failed call or action was about, if any.
 ErrorHandler = Callable[[BaseException, Any], None]
 
+SPIN = 0.002  # seconds of busy polling after the last progress
+SLICE = 500e-6  # longest busy poll inside one loop callback
+MAX_BACKOFF = 0.001  # longest pause between passes while user messages are outstanding,
+LONG_IDLE = 0.05  # ... until this long without progress,
+LONG_IDLE_BACKOFF = 0.004  # ... when waiting gets cheaper still (a message waited on for long)
+IDLE_INTERVAL = 0.005  # pause between passes when only standing receives are outstanding
+ORPHAN_INTERVAL = 0.05  # how often orphaned sends are tested (so MPI can free them)
+
 
 class _Entry:
     """What the engine knows of one outstanding request."""
@@ -70,16 +80,6 @@ class _Entry:
         self.standing = standing  # the transport's own, not a user message
         self.receive = receive  # receives are the only requests ever cancelled
         self.index = -1  # position in the live or the orphan list
-
-MODES = ("poll", "thread", "manual")
-SPIN = 0.002  # seconds of busy polling after the last progress
-SLICE = 500e-6  # longest busy poll inside one loop callback
-MAX_BACKOFF = 0.001  # longest pause between passes while user messages are outstanding,
-LONG_IDLE = 0.05  # ... until this long without progress,
-LONG_IDLE_BACKOFF = 0.004  # ... when waiting gets cheaper still (a message waited on for long)
-IDLE_INTERVAL = 0.005  # pause between passes when only standing receives are outstanding
-ORPHAN_INTERVAL = 0.05  # how often orphaned sends are tested (so MPI can free them)
-
 
 class _Requests:
     """Requests with their entries, in two arrays for `MPI_Testsome`; O(1) removal."""
@@ -130,11 +130,40 @@ class _Requests:
         return finished, error
 
 
+class Backoff:
+    """How long to pause before the next pass: none while things move, then longer."""
+
+    def __init__(self) -> None:
+        self.last_progress = time.monotonic()
+        self._pause = 0.0
+        # True while peers may be doing passive-target RMA on this rank: MPICH moves
+        # those operations only inside this rank's MPI calls, so it must not back off.
+        self.hot: Callable[[], bool] = lambda: False
+
+    def moved(self) -> None:
+        self.last_progress = time.monotonic()
+        self._pause = 0.0
+
+    def spinning(self) -> bool:
+        """Still in the first SPIN seconds after the last progress."""
+        return time.monotonic() - self.last_progress < SPIN
+
+    def pause(self) -> float:
+        """The pause before the next pass while user messages are outstanding."""
+        idle = time.monotonic() - self.last_progress
+        if idle < SPIN or self.hot():
+            return 0.0
+        cap = MAX_BACKOFF if idle < LONG_IDLE else LONG_IDLE_BACKOFF
+        self._pause = min(cap, max(self._pause * 2, 50e-6))
+        return self._pause
+
+
 class Engine:
+    """The outstanding requests, the work queued for the progress context, and one pass."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop, mode: str,
                  on_error: ErrorHandler, on_pass_end: Callable[[], None]) -> None:
         self.mode = mode
-        self._loop = loop
         self._on_error = on_error
         self._on_pass_end = on_pass_end  # the transport hands the pass's reports over
         self._live = _Requests()
@@ -144,23 +173,21 @@ class Engine:
         # Work handed to the progress context: (function, args, owner).
         self._inbox: list[tuple[Callable[..., None], tuple[Any, ...], Any]] = []
         self._after_pass: list[tuple[Callable[[], None], Any]] = []
-        self._passes = 0
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._stopping = False
-        self._last_progress = time.monotonic()
-        self._backoff = 0.0
-        self._scheduled: asyncio.Handle | None = None
-        self._scheduled_when = 0.0
-        self._drivers: list[Callable[[], bool]] = []  # manual mode: awaited messages' done()
-        # True while peers may be doing passive-target RMA on this rank: MPICH moves
-        # those operations only inside this rank's MPI calls, so it must not back off.
-        self.hot: Callable[[], bool] = lambda: False
-        self._thread: threading.Thread | None = None
-        if mode == "thread":
-            self._thread = threading.Thread(target=self._run_thread, name="mate-mpi-progress",
-                                            daemon=True)
-            self._thread.start()
+        self.passes = 0
+        self.lock = threading.Lock()  # guards the inbox
+        self.wake = threading.Condition(self.lock)  # a progress thread sleeps on it
+        self.backoff = Backoff()
+        strategies: dict[str, Callable[[Engine, asyncio.AbstractEventLoop], Progress]] = {
+            "poll": PollProgress, "thread": ThreadProgress, "manual": ManualProgress}
+        self._progress = strategies[mode](self, loop)
+
+    @property
+    def hot(self) -> Callable[[], bool]:
+        return self.backoff.hot
+
+    @hot.setter
+    def hot(self, predicate: Callable[[], bool]) -> None:
+        self.backoff.hot = predicate
 
     # -- adding work (any thread) --------------------------------------------------------
 
@@ -171,38 +198,30 @@ class Engine:
         The returned entry is the request's handle for `disown`.
         """
         entry = _Entry(request, action, owner, standing, receive)
-        if self._thread is None:  # poll and manual: everything runs on the loop's thread
-            self._add(entry)
-            if self.mode == "poll":
-                self._schedule(0.0)
-        else:
+        if self._progress.threaded:
             self.call(self._add, entry)
+        else:  # poll and manual: everything runs on the loop's thread
+            self._add(entry)
+            self._progress.kick()
         return entry
 
     def _add(self, entry: _Entry) -> None:
         self._live.add(entry)
         if entry.standing:
             self._standing += 1
-        self._last_progress = time.monotonic()
-        self._backoff = 0.0
+        self.backoff.moved()
 
     def call(self, fn: Callable[..., None], *args: Any, owner: Any = None) -> None:
         """Run `fn(*args)` in the progress context, before the next pass."""
-        with self._lock:
+        with self.lock:
             self._inbox.append((fn, args, owner))
-            if self._thread is not None:
-                self._wake.notify()
-        if self.mode == "poll":
-            self._schedule(0.0)
+        self._progress.kick()
 
     def call_at_once(self, fn: Callable[..., None], *args: Any, owner: Any = None) -> None:
-        """`call`, and in manual mode drive passes on the loop until it has run and
-        one pass more has reported what it started (a cancel: its receive, say)."""
+        """`call`, and have passes run until it has run and one pass more has reported
+        what it started (a cancel: its receive, say), even in manual mode."""
         self.call(fn, *args, owner=owner)
-        if self.mode == "manual":
-            until = self._passes + 2
-            self._drivers.append(lambda: self._passes >= until)
-            self._schedule(0.0)
+        self._progress.drive_passes(2)
 
     def after_pass(self, fn: Callable[[], None], *, owner: Any = None) -> None:
         """Run `fn()` at the end of the next pass (progress context only)."""
@@ -216,6 +235,19 @@ class Engine:
     def orphans(self) -> int:
         return len(self._orphans)
 
+    def busy(self) -> bool:
+        """Whether passes should follow each other, backing off: user work, or hot."""
+        return bool(self.user_outstanding or self._inbox or self.backoff.hot())
+
+    def idle_interval(self) -> float | None:
+        """With nothing busy: the pause before the next pass, or None for no pass."""
+        if self._live:
+            return IDLE_INTERVAL  # the standing receives: peers' requests
+        return ORPHAN_INTERVAL if self._orphans else None
+
+    def has_calls(self) -> bool:
+        return bool(self._inbox)
+
     # -- one pass ------------------------------------------------------------------------
 
     def test(self) -> bool:
@@ -226,8 +258,8 @@ class Engine:
             self._on_pass_end()
 
     def _pass(self) -> bool:
-        self._passes += 1
-        with self._lock:
+        self.passes += 1
+        with self.lock:
             inbox, self._inbox = self._inbox, []
         for fn, args, owner in inbox:
             self._guarded(owner, fn, *args)
@@ -247,8 +279,7 @@ class Engine:
                 self._guarded(owner, fn)
             moved = True
         if moved:
-            self._last_progress = time.monotonic()
-            self._backoff = 0.0
+            self.backoff.moved()
         return moved
 
     def _run_actions(self, finished: list[tuple[_Entry, MPI.Status]],
@@ -265,104 +296,21 @@ class Engine:
         except Exception as exc:
             self._on_error(exc, owner)
 
-    # -- poll mode and manual awaiting: passes as loop callbacks ----------------------------
-
-    def _schedule(self, delay: float) -> None:
-        """Make sure a pass runs within `delay` seconds (sooner than any pass planned)."""
-        if self._stopping:
-            return
-        when = time.monotonic() + delay
-        if self._scheduled is not None:
-            if self._scheduled_when <= when:
-                return
-            self._scheduled.cancel()
-        self._scheduled_when = when
-        if delay <= 0:
-            self._scheduled = self._loop.call_soon(self._poll)
-        else:
-            self._scheduled = self._loop.call_later(delay, self._poll)
-
-    def _poll(self) -> None:
-        self._scheduled = None
-        # Going round the event loop costs a system call; while user messages are
-        # outstanding, test again for up to SLICE before yielding to other callbacks.
-        if (not self.test() and self.user_outstanding
-                and time.monotonic() - self._last_progress < SPIN):  # not once backing off
-            give_up = time.monotonic() + SLICE
-            while not self.test() and time.monotonic() < give_up:
-                pass
-        if self.mode == "manual":
-            self._drivers = [d for d in self._drivers if not d()]
-            if self._drivers:
-                self._schedule(self._pause())
-        elif self.user_outstanding or self._inbox or self.hot():
-            self._schedule(self._pause())
-        elif self._live:
-            self._schedule(IDLE_INTERVAL)
-        elif self._orphans:
-            self._schedule(ORPHAN_INTERVAL)
-
-    def _pause(self) -> float:
-        idle = time.monotonic() - self._last_progress
-        if idle < SPIN or self.hot():
-            return 0.0
-        cap = MAX_BACKOFF if idle < LONG_IDLE else LONG_IDLE_BACKOFF
-        self._backoff = min(cap, max(self._backoff * 2, 50e-6))
-        return self._backoff
+    # -- who runs passes -----------------------------------------------------------------
 
     def start(self) -> None:
-        """Begin polling (poll mode); called once the standing receives are posted."""
-        if self.mode == "poll":
-            self._schedule(0.0)
+        """Begin running passes; called once the standing receives are posted."""
+        self._progress.start()
 
     def drive_until(self, done: Callable[[], bool]) -> None:
-        """Manual mode: poll on the loop until `done()` (a task awaits a message)."""
-        if self.mode == "manual":
-            self._drivers.append(done)
-            self._schedule(0.0)
-        elif self.mode == "poll":
-            self._schedule(0.0)
-
-    # -- thread mode ---------------------------------------------------------------------
-
-    def _run_thread(self) -> None:
-        while True:
-            with self._lock:
-                while not self._inbox and not self._live and not self._stopping:
-                    self._wake.wait(ORPHAN_INTERVAL if self._orphans else None)
-                    if self._orphans:
-                        break
-                if self._stopping:
-                    return
-            try:
-                self.test()
-            except Exception as exc:  # a fault in the pass itself: log it, keep progressing
-                logger.exception("mate: MPI progress pass failed", exc_info=exc)
-            if self._inbox:
-                continue
-            if self.user_outstanding or self.hot():
-                pause = self._pause()
-            else:
-                pause = IDLE_INTERVAL if self._live else ORPHAN_INTERVAL
-            if pause:
-                with self._lock:
-                    if not self._inbox and not self._stopping:
-                        self._wake.wait(pause)
-            else:
-                os.sched_yield()  # let the loop's thread have the GIL (sleep(0) costs ~60 us here)
-
-    # -- shutdown ------------------------------------------------------------------------
+        """A task awaits something until `done()`: make sure passes run until then."""
+        self._progress.drive_until(done)
 
     def stop(self) -> None:
-        """Stop driving progress; the progress thread, if any, has ended on return."""
-        with self._lock:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join()
-        if self._scheduled is not None:
-            self._scheduled.cancel()
-            self._scheduled = None
+        """Stop running passes; a progress thread has ended on return."""
+        self._progress.stop()
+
+    # -- shutdown and orphans ------------------------------------------------------------
 
     def drain(self, deadline: float) -> None:
         """After `stop`: run passes on the caller's thread until no request that can
@@ -390,3 +338,164 @@ class Engine:
             self._standing -= 1
         self._orphans.add(entry)
         return True
+
+
+class Progress(abc.ABC):
+    """Who runs the engine's passes, and when."""
+
+    threaded = False  # passes run in a thread of their own
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.loop = loop
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def kick(self) -> None:
+        """Work was added: make sure a pass comes soon."""
+
+    def drive_until(self, done: Callable[[], bool]) -> None:  # noqa: B027
+        """A task awaits until `done()` (only passes driven by hand need to know)."""
+
+    def drive_passes(self, count: int) -> None:  # noqa: B027
+        """Run at least `count` more passes soon (only passes driven by hand need it)."""
+
+    @abc.abstractmethod
+    def stop(self) -> None: ...
+
+
+class PollProgress(Progress):
+    """Passes as callbacks on the event loop while there is work (see the docstring)."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(engine, loop)
+        self._scheduled: asyncio.Handle | None = None
+        self._scheduled_when = 0.0
+        self._stopped = False
+
+    def start(self) -> None:
+        self.schedule(0.0)
+
+    def kick(self) -> None:
+        self.schedule(0.0)
+
+    def drive_until(self, done: Callable[[], bool]) -> None:
+        self.schedule(0.0)
+
+    def schedule(self, delay: float) -> None:
+        """Make sure a pass runs within `delay` seconds (sooner than any pass planned)."""
+        if self._stopped:
+            return
+        when = time.monotonic() + delay
+        if self._scheduled is not None:
+            if self._scheduled_when <= when:
+                return
+            self._scheduled.cancel()
+        self._scheduled_when = when
+        if delay <= 0:
+            self._scheduled = self.loop.call_soon(self._poll)
+        else:
+            self._scheduled = self.loop.call_later(delay, self._poll)
+
+    def _poll(self) -> None:
+        self._scheduled = None
+        engine = self.engine
+        # Going round the event loop costs a system call; while user messages are
+        # outstanding, test again for up to SLICE before yielding to other callbacks.
+        if (not engine.test() and engine.user_outstanding
+                and engine.backoff.spinning()):  # not once backing off
+            give_up = time.monotonic() + SLICE
+            while not engine.test() and time.monotonic() < give_up:
+                pass
+        self.next_pass()
+
+    def next_pass(self) -> None:
+        if self.engine.busy():
+            self.schedule(self.engine.backoff.pause())
+        else:
+            interval = self.engine.idle_interval()
+            if interval is not None:
+                self.schedule(interval)
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._scheduled is not None:
+            self._scheduled.cancel()
+            self._scheduled = None
+
+
+class ManualProgress(PollProgress):
+    """Passes on the loop only while someone waits for them (see the docstring)."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(engine, loop)
+        self._drivers: list[Callable[[], bool]] = []  # until when passes are wanted
+
+    def start(self) -> None:
+        pass  # world.progress() runs the passes
+
+    def kick(self) -> None:
+        pass  # idem
+
+    def drive_until(self, done: Callable[[], bool]) -> None:
+        self._drivers.append(done)
+        self.schedule(0.0)
+
+    def drive_passes(self, count: int) -> None:
+        until = self.engine.passes + count
+        self.drive_until(lambda: self.engine.passes >= until)
+
+    def next_pass(self) -> None:
+        self._drivers = [done for done in self._drivers if not done()]
+        if self._drivers:
+            self.schedule(self.engine.backoff.pause())
+
+
+class ThreadProgress(Progress):
+    """Passes in a progress thread of their own (see the docstring)."""
+
+    threaded = True
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(engine, loop)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="mate-mpi-progress",
+                                        daemon=True)
+        self._thread.start()
+
+    def start(self) -> None:
+        pass  # the thread runs from the start
+
+    def kick(self) -> None:
+        with self.engine.wake:
+            self.engine.wake.notify()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with engine.wake:
+                while not engine.busy() and engine.idle_interval() is None and not self._stopping:
+                    engine.wake.wait()
+                if self._stopping:
+                    return
+            try:
+                engine.test()
+            except Exception as exc:  # a fault in the pass itself: log it, keep progressing
+                logger.exception("mate: MPI progress pass failed", exc_info=exc)
+            if engine.has_calls():
+                continue
+            pause = engine.backoff.pause() if engine.busy() else engine.idle_interval()
+            if pause:
+                with engine.wake:
+                    if not engine.has_calls() and not self._stopping:
+                        engine.wake.wait(pause)
+            else:
+                os.sched_yield()  # let the loop's thread have the GIL (sleep(0) costs ~60 us here)
+
+    def stop(self) -> None:
+        with self.engine.wake:
+            self._stopping = True
+            self.engine.wake.notify()
+        self._thread.join()

@@ -2,7 +2,7 @@
 
 thesis §5.2, improved with MPI-3. The transport works on its own duplicate of
 COMM_WORLD with MPI_ERRORS_RETURN, so that MPI errors become failure events
-with the MPI error chained, never aborts; a second duplicate (`ctl`) carries
+with the MPI error chained, never aborts; a second duplicate (the control channel) carries
 the transport's own control traffic (region tables for native RMA, the
 emulated put/get protocol), so every user tag stays available.
 
@@ -25,14 +25,16 @@ recv is `Irecv` with the wildcards mapped both ways; a truncated message fails
 with TRUNCATED and the receipt's length is what MPI wrote. A cancelled recv is
 `MPI_Cancel` + test: if the data had already matched, the recv completes.
 
-put and get are in `rma.py`; progress (poll, thread, manual) in `progress.py`.
+put and get are one of two strategies (`rma.py`, `rma_native.py`,
+`rma_emulated.py`), whose requests travel on the control channel
+(`control.py`); progress (poll, thread, manual) is `progress.py`; what a
+pass found reaches the core through `reports.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -42,19 +44,16 @@ from mpi4py import MPI
 
 from mate.constants import ANY_SOURCE, ANY_TAG
 from mate.errors import FailureReason
-from mate.machine import Input
 from mate.schedule import Op, Region
-from mate.transports.base import Operation, Report, Sink, Transport, failure
+from mate.transports.base import Operation, Sink, Transport
+from mate.transports.mpi.control import Control, ControlChannel
 from mate.transports.mpi.progress import Engine
+from mate.transports.mpi.reports import Reporter
+from mate.transports.mpi.rma import Rma
+from mate.transports.mpi.rma_emulated import EmulatedRma
+from mate.transports.mpi.rma_native import NativeRma
 
 logger = logging.getLogger("mate")
-
-# Control messages on the ctl communicator: a fixed header, then (eager put) data.
-HEADER = struct.Struct("<BBxxiQQ")  # kind, status, tag, address, length
-CONTROL_TAG = 1  # the standing receive's tag; replies use tags from `new_tag`
-FIRST_PRIVATE_TAG = 16
-CONTROL_EAGER = 1024  # emulated put: data up to this size travels in the request
-
 
 class _Send:
     """The transport's state for one send."""
@@ -75,59 +74,37 @@ class MpiTransport(Transport):
                  handlers: str, rma: str, eager_size: int, orphan_limit: int,
                  shutdown_timeout: float) -> None:
         self._sink = sink
-        self.loop = loop
         self.eager_size = eager_size
         self.orphan_limit = orphan_limit
         self._orphans: Counter[int] = Counter()  # orphaned sends per destination
         self.shutdown_timeout = shutdown_timeout
         self.comm = MPI.COMM_WORLD.Dup()
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
-        self.ctl = MPI.COMM_WORLD.Dup()
-        self.ctl.Set_errhandler(MPI.ERRORS_RETURN)
         self.mypid = self.comm.Get_rank()
         self.numprocs = self.comm.Get_size()
         self.tag_max = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
-        self._next_tag = FIRST_PRIVATE_TAG
-        self._reports: list[Report] = []  # what the current progress pass found
-        self.engine = Engine(loop, progress, self._contain, self._hand_over)
-        from mate.transports.mpi.rma import EmulatedRma, NativeRma
-
-        self.rma = NativeRma(self) if rma == "native" else EmulatedRma(self)
-        self._control_buffer = bytearray(HEADER.size + CONTROL_EAGER)
-        self._post_control_recv()
+        self.report = Reporter(lambda: self._sink)  # the sink of the moment (see bind)
+        self.engine = Engine(loop, progress, self._contain, self.report.hand_over)
+        self.control = ControlChannel(self.engine, self.tag_max, self._on_control)
+        self.rma: Rma
+        if rma == "native":
+            self.rma = NativeRma(self.mypid, self.comm, self.engine, self.control, self.report,
+                                 self._call_on_loop)
+        else:
+            self.rma = EmulatedRma(self.mypid, self.engine, self.control, self.report,
+                                   self._call_on_loop)
+        self.control.start()
         self.engine.start()
 
     # -- reporting to the core -----------------------------------------------------------
 
-    # Reports are made in the progress context only (a pass, or the calls it runs),
-    # and handed to the core at the end of the pass, all at once: with handlers on
-    # the loop and a progress thread, that is one hop to the loop per pass.
-
-    def report_submitted(self, op: Operation) -> None:
-        self._reports.append(Report(Input.SUBMITTED, op))
-
-    def report_completed(self, op: Operation, length: int, peer: int, tag: int) -> None:
-        self._reports.append(Report(Input.COMPLETED, op, length, peer, tag))
-
-    def report_failed(self, op: Operation, reason: FailureReason, detail: str,
-                      cause: BaseException | None = None, *, length: int = 0,
-                      peer: int | None = None, tag: int | None = None) -> None:
-        self._reports.append(Report(Input.FAILED, op, length, peer, tag,
-                                    failure(reason, detail, cause)))
-
-    def report_cancelled(self, op: Operation) -> None:
-        self._reports.append(Report(Input.CANCELLED, op))
-
-    def _hand_over(self) -> None:
-        """The pass is over: tell the core what it found."""
-        if self._reports:
-            reports, self._reports = self._reports, []
-            self._sink.report_all(reports)
-
     def fail_later(self, msg: Operation, reason: FailureReason, detail: str,
                    cause: BaseException | None = None) -> None:
         """Fail `msg` from the next pass: never from inside the posting call."""
-        self.engine.call(self.report_failed, msg, reason, detail, cause)
+        self.engine.call(self.report.failed, msg, reason, detail, cause)
+
+    def _call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        self._sink.call_on_loop(fn, *args)
 
     def _contain(self, exc: BaseException, owner: Any) -> None:
         """An exception escaped a call or action in the progress context.
@@ -138,7 +115,7 @@ class MpiTransport(Transport):
         """
         logger.error("mate: internal error in the MPI transport (%r)", owner, exc_info=exc)
         if isinstance(owner, Operation):
-            self.report_failed(owner, FailureReason.TRANSPORT,
+            self.report.failed(owner, FailureReason.TRANSPORT,
                                f"internal error in the MPI transport: {exc!r}", exc)
 
     # -- two-sided -----------------------------------------------------------------------
@@ -149,10 +126,8 @@ class MpiTransport(Transport):
             self._post_send(msg)
         elif op is Op.RECV:
             self._post_recv(msg)
-        elif op is Op.PUT:
-            self.rma.put(msg)
         else:
-            self.rma.get(msg)
+            self.rma.submit(msg)
 
     def _post_send(self, msg: Operation) -> None:
         if self._orphans[msg.peer] >= self.orphan_limit:
@@ -170,7 +145,7 @@ class MpiTransport(Transport):
             return
         state = msg.transport_data = _Send(data, copied)
         if copied:
-            self.engine.call(self.report_submitted, msg)
+            self.engine.call(self.report.submitted, msg)
         state.entry = self.engine.add(
             request, lambda status, error: self._send_done(msg, status, error), owner=msg)
 
@@ -180,12 +155,12 @@ class MpiTransport(Transport):
             self._orphans[msg.peer] -= 1
             return
         if error is not None:
-            self.report_failed(msg, FailureReason.TRANSPORT,
+            self.report.failed(msg, FailureReason.TRANSPORT,
                         f"MPI_Issend: {error}", cause=error)
         elif status.Is_cancelled():
-            self.report_cancelled(msg)
+            self.report.cancelled(msg)
         else:
-            self.report_completed(msg, len(msg.buffer), msg.peer, msg.tag)
+            self.report.completed(msg, len(msg.buffer), msg.peer, msg.tag)
 
     def _post_recv(self, msg: Operation) -> None:
         source = MPI.ANY_SOURCE if msg.peer == ANY_SOURCE else msg.peer
@@ -202,19 +177,19 @@ class MpiTransport(Transport):
     def _recv_done(self, msg: Operation, status: MPI.Status, error: MPI.Exception | None) -> None:
         msg.transport_data = None  # a cancel that comes now finds nothing left to cancel
         if status.Is_cancelled():
-            self.report_cancelled(msg)
+            self.report.cancelled(msg)
             return
         length = status.Get_count(MPI.BYTE)
         source, tag = status.Get_source(), status.Get_tag()
         if error is None:
-            self.report_completed(msg, length, source, tag)
+            self.report.completed(msg, length, source, tag)
         elif MPI.Get_error_class(status.Get_error()) == MPI.ERR_TRUNCATE:
-            self.report_failed(msg, FailureReason.TRUNCATED,
+            self.report.failed(msg, FailureReason.TRUNCATED,
                         f"a message from rank {source} with tag {tag} did not fit in "
                         f"{len(msg.buffer)} bytes", cause=error, length=length,
                         peer=source, tag=tag)
         else:
-            self.report_failed(msg, FailureReason.TRANSPORT,
+            self.report.failed(msg, FailureReason.TRANSPORT,
                         f"MPI_Irecv: {error}", cause=error)
 
     def cancel(self, msg: Operation) -> None:
@@ -241,43 +216,10 @@ class MpiTransport(Transport):
         if not state.orphaned and self.engine.disown(state.entry):
             state.orphaned = True
             self._orphans[msg.peer] += 1
-            self.report_cancelled(msg)
+            self.report.cancelled(msg)
 
-    # -- control channel -------------------------------------------------------------------
-
-    def new_tag(self) -> int:
-        """A private tag on `ctl` for messages this rank will receive (wraps around)."""
-        tag = self._next_tag
-        self._next_tag = tag + 1 if tag < self.tag_max else FIRST_PRIVATE_TAG
-        return tag
-
-    def control_send(self, dest: int, data: Any, tag: int = CONTROL_TAG) -> None:
-        """Send a control message; the engine keeps `data` alive until it is sent."""
-        request = self.ctl.Isend(data, dest, tag)
-        self.engine.add(request, lambda status, error: None, standing=True)
-
-    def control_recv(self, buffer: Any, source: int, tag: int,
-                     action: Callable[[MPI.Status, MPI.Exception | None], None], *,
-                     standing: bool = True) -> MPI.Request:
-        """Receive a control message; `standing=False` when a user message waits on it."""
-        request = self.ctl.Irecv(buffer, source, tag)
-        self.engine.add(request, action, standing=standing, receive=True)
-        return request
-
-    def _post_control_recv(self) -> None:
-        self.control_recv(self._control_buffer, MPI.ANY_SOURCE, CONTROL_TAG, self._on_control)
-
-    def _on_control(self, status: MPI.Status, error: MPI.Exception | None) -> None:
-        if status.Is_cancelled():
-            return  # shutting down
-        data = bytes(self._control_buffer[: status.Get_count(MPI.BYTE)])
-        self._post_control_recv()
-        if error is None:
-            kind, flag, tag, address, length = HEADER.unpack_from(data)
-            self.rma.on_control(status.Get_source(), kind, flag, tag, address, length,
-                                memoryview(data)[HEADER.size:])
-        else:
-            logger.error("mate: MPI error on the control channel: %s", error)
+    def _on_control(self, source: int, message: Control) -> None:
+        self.rma.on_control(source, message)
 
     # -- the rest of the interface -------------------------------------------------------
 
@@ -323,7 +265,7 @@ class MpiTransport(Transport):
         if met:
             self.rma.free()
             self.comm.Free()
-            self.ctl.Free()
+            self.control.free()
         # Even after the ranks met, one may die before its MPI_Finalize: never wait for it.
         local = finalize_locally()
         if not met:
@@ -335,7 +277,7 @@ class MpiTransport(Transport):
 
     async def _meet(self) -> bool:
         """A barrier of all ranks, given up after `shutdown_timeout`."""
-        barrier = self.ctl.Ibarrier()  # a collective request cannot be cancelled: if
+        barrier = self.control.comm.Ibarrier()  # a collective request cannot be cancelled: if
         deadline = time.monotonic() + self.shutdown_timeout  # given up, MPI keeps it
         while time.monotonic() < deadline:
             if self.engine.mode != "thread":

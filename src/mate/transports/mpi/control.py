@@ -1,0 +1,246 @@
+"""The MPI transport's control channel: its own communicator, one typed message per kind.
+
+The transport's own traffic (region tables and their revocation for native
+RMA, the emulated put/get protocol) travels on a duplicate of COMM_WORLD of
+its own, so that every user tag stays the user's. Requests go to a standing
+receive on `CONTROL_TAG`; answers and bulk data go to private tags that the
+asking rank picks (`new_tag`) and posts a receive on first.
+
+Each kind of message is a small value type with its own fields and its own
+wire format (`encode`, and `decode` by the kind byte that starts every
+message), so that no field carries something other than what its name says.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import attrs
+from mpi4py import MPI
+
+from mate.transports.mpi.progress import Action, Engine
+
+logger = logging.getLogger("mate")
+
+CONTROL_TAG = 1  # the standing receive's tag
+FIRST_PRIVATE_TAG = 16  # private tags (answers, data) run from here to tag_max, and wrap
+CONTROL_EAGER = 1024  # an emulated put carries its data in the request up to this size
+MAX_REGIONS = 4096  # the most regions a table reply lists
+
+_REGION = struct.Struct("<QQ")  # (address, length) of a region, in a table
+
+
+@attrs.frozen
+class TableRequest:
+    """Origin -> target: send me your region table on `reply_tag`."""
+
+    KIND: ClassVar[int] = 1
+    FORMAT: ClassVar[struct.Struct] = struct.Struct("<Bxxxi")
+    reply_tag: int
+
+    def encode(self) -> bytes:
+        return self.FORMAT.pack(self.KIND, self.reply_tag)
+
+
+@attrs.frozen
+class Table:
+    """Target -> origin: its exposed regions as of `epoch` (bumped by every unexpose)."""
+
+    KIND: ClassVar[int] = 2
+    FORMAT: ClassVar[struct.Struct] = struct.Struct("<BxxxIQ")  # kind, count, epoch
+    epoch: int
+    regions: tuple[tuple[int, int], ...]
+
+    #: The buffer a table reply is received into.
+    MAX_SIZE: ClassVar[int] = FORMAT.size + _REGION.size * MAX_REGIONS
+
+    def encode(self) -> bytes:
+        regions = self.regions[:MAX_REGIONS]
+        return self.FORMAT.pack(self.KIND, len(regions), self.epoch) + b"".join(
+            _REGION.pack(address, length) for address, length in regions)
+
+    @classmethod
+    def decode_body(cls, data: memoryview) -> Table:
+        _, count, epoch = cls.FORMAT.unpack_from(data)
+        return cls(epoch, tuple(_REGION.unpack_from(data, cls.FORMAT.size + _REGION.size * i)
+                                for i in range(count)))
+
+
+@attrs.frozen
+class Revoke:
+    """Target -> origin: forget my table; acknowledge once your operations to me landed."""
+
+    KIND: ClassVar[int] = 3
+    FORMAT: ClassVar[struct.Struct] = struct.Struct("<BxxxxxxxQ")
+    epoch: int
+
+    def encode(self) -> bytes:
+        return self.FORMAT.pack(self.KIND, self.epoch)
+
+
+@attrs.frozen
+class RevokeAck:
+    """Origin -> target: nothing of mine is in flight to you any more (for `epoch`)."""
+
+    KIND: ClassVar[int] = 4
+    FORMAT: ClassVar[struct.Struct] = struct.Struct("<BxxxxxxxQ")
+    epoch: int
+
+    def encode(self) -> bytes:
+        return self.FORMAT.pack(self.KIND, self.epoch)
+
+
+@attrs.frozen
+class Get:
+    """Origin -> target (emulated): send `length` bytes at `address` to `reply_tag`."""
+
+    KIND: ClassVar[int] = 5
+    FORMAT: ClassVar[struct.Struct] = struct.Struct("<BxxxiQQ")
+    reply_tag: int
+    address: int
+    length: int
+
+    def encode(self) -> bytes:
+        return self.FORMAT.pack(self.KIND, self.reply_tag, self.address, self.length)
+
+
+@attrs.frozen
+class GetRefused:
+    """Target -> origin (emulated): the get on `reply_tag` is outside my regions."""
+
+    KIND: ClassVar[int] = 6
+    FORMAT: ClassVar[struct.Struct] = struct.Struct("<Bxxxi")
+    reply_tag: int
+
+    def encode(self) -> bytes:
+        return self.FORMAT.pack(self.KIND, self.reply_tag)
+
+
+@attrs.frozen
+class Put:
+    """Origin -> target (emulated, eager): write `data` at `address`; answer on `reply_tag`."""
+
+    KIND: ClassVar[int] = 7
+    FORMAT: ClassVar[struct.Struct] = struct.Struct("<BxxxiQ")
+    reply_tag: int
+    address: int
+    data: bytes
+
+    def encode(self) -> bytes:
+        return self.FORMAT.pack(self.KIND, self.reply_tag, self.address) + self.data
+
+
+@attrs.frozen
+class PutRequest:
+    """Origin -> target (emulated, rendezvous): may I write `length` bytes at `address`?"""
+
+    KIND: ClassVar[int] = 8
+    FORMAT: ClassVar[struct.Struct] = struct.Struct("<BxxxiQQ")
+    reply_tag: int
+    address: int
+    length: int
+
+    def encode(self) -> bytes:
+        return self.FORMAT.pack(self.KIND, self.reply_tag, self.address, self.length)
+
+
+@attrs.frozen
+class Reply:
+    """Target -> origin (emulated put), on the put's reply tag: cleared (send the data to
+    `data_tag`) or done, if `ok`; refused (outside my regions) if not."""
+
+    KIND: ClassVar[int] = 9
+    FORMAT: ClassVar[struct.Struct] = struct.Struct("<B?xxi")
+    ok: bool
+    data_tag: int = 0
+
+    SIZE: ClassVar[int] = FORMAT.size
+
+    def encode(self) -> bytes:
+        return self.FORMAT.pack(self.KIND, self.ok, self.data_tag)
+
+    @classmethod
+    def decode_body(cls, data: bytes | bytearray | memoryview) -> Reply:
+        _, ok, data_tag = cls.FORMAT.unpack_from(data)
+        return cls(ok, data_tag)
+
+
+Control = TableRequest | Table | Revoke | RevokeAck | Get | GetRefused | Put | PutRequest | Reply
+
+
+def decode(data: memoryview) -> Control:
+    """The message `data` holds; ValueError if it is none."""
+    kind = data[0] if len(data) else 0
+    if kind == Table.KIND:
+        return Table.decode_body(data)
+    if kind == Reply.KIND:
+        return Reply.decode_body(data)
+    if kind == Put.KIND:
+        _, reply_tag, address = Put.FORMAT.unpack_from(data)
+        return Put(reply_tag, address, bytes(data[Put.FORMAT.size:]))
+    for cls in (TableRequest, Revoke, RevokeAck, Get, GetRefused, PutRequest):
+        if kind == cls.KIND:
+            return cls(*cls.FORMAT.unpack_from(data)[1:])
+    raise ValueError(f"not a control message (kind {kind})")
+
+
+class ControlChannel:
+    """Sends and receives control messages and bulk data on the control communicator.
+
+    Requests that arrive on `CONTROL_TAG` go to `on_message(source, message)`,
+    in the progress context. Sends and receives are requests of the engine.
+    """
+
+    def __init__(self, engine: Engine, tag_max: int,
+                 on_message: Callable[[int, Control], None]) -> None:
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self._engine = engine
+        self._tag_max = tag_max
+        self._next_tag = FIRST_PRIVATE_TAG
+        self._on_message = on_message
+        self._inbox = bytearray(Put.FORMAT.size + CONTROL_EAGER)  # the largest request
+
+    def start(self) -> None:
+        """Post the standing receive for requests."""
+        self.recv(self._inbox, MPI.ANY_SOURCE, CONTROL_TAG, self._arrived)
+
+    def new_tag(self) -> int:
+        """A private tag for something this rank will receive (wraps around)."""
+        tag = self._next_tag
+        self._next_tag = tag + 1 if tag < self._tag_max else FIRST_PRIVATE_TAG
+        return tag
+
+    def send(self, dest: int, message: Control, tag: int = CONTROL_TAG) -> None:
+        """Send a control message (a request, or an answer on its private tag)."""
+        self.send_data(dest, message.encode(), tag, lambda status, error: None)
+
+    def send_data(self, dest: int, data: Any, tag: int, action: Action, *,
+                  owner: Any = None) -> None:
+        """Send `data` to `tag`; run `action` when the send completed. The request keeps
+        `data` alive until then."""
+        request = self.comm.Isend(data, dest, tag)
+        self._engine.add(request, action, owner=owner, standing=True)
+
+    def recv(self, buffer: Any, source: int, tag: int, action: Action, *,
+             owner: Any = None, standing: bool = True) -> MPI.Request:
+        """Receive into `buffer`; `standing=False` when a user message waits on it."""
+        request = self.comm.Irecv(buffer, source, tag)
+        self._engine.add(request, action, owner=owner, standing=standing, receive=True)
+        return request
+
+    def _arrived(self, status: MPI.Status, error: MPI.Exception | None) -> None:
+        if status.Is_cancelled():
+            return  # shutting down
+        data = memoryview(bytes(self._inbox[: status.Get_count(MPI.BYTE)]))
+        self.start()
+        if error is not None:
+            logger.error("mate: MPI error on the control channel: %s", error)
+            return
+        self._on_message(status.Get_source(), decode(data))
+
+    def free(self) -> None:
+        self.comm.Free()

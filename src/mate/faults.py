@@ -48,6 +48,7 @@ from typing import Any
 
 import attrs
 
+from mate import arguments
 from mate.errors import FailureReason, InvalidArgument
 from mate.machine import Input
 from mate.schedule import Op, Region
@@ -56,13 +57,11 @@ from mate.world import World
 
 
 def _probability(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise InvalidArgument(f"{attribute.name} must be a probability in [0, 1], not {value!r}")
+    arguments.probability(value, attribute.name)
 
 
 def _seconds(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise InvalidArgument(f"{attribute.name} must be seconds >= 0, not {value!r}")
+    arguments.seconds(value, attribute.name)
 
 
 @attrs.frozen

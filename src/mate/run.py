@@ -32,7 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
-TRANSPORTS = ("mpi",)
+from mate import registry
+
 # hydra's options: leave the other ranks running when one dies (its default
 # kills them all at once), and print each rank's wait status when all ended.
 HYDRA_OPTIONS = ("-disable-auto-cleanup", "-print-all-exitcodes")
@@ -206,7 +207,7 @@ def supervise(nranks: int, program: list[str]) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="mate-run", description=__doc__.splitlines()[0])
     parser.add_argument("-n", "--nranks", type=int, required=True, help="number of ranks")
-    parser.add_argument("--transport", default="mpi", choices=TRANSPORTS)
+    parser.add_argument("--transport", default="mpi", choices=registry.launched())
     parser.add_argument("program", nargs=argparse.REMAINDER, help="PROGRAM [ARGS...]")
     args = parser.parse_args(argv)
     if not args.program:

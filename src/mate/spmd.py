@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from mate import local
+from mate import local, registry
 from mate.errors import InvalidArgument
 from mate.world import World
 
@@ -25,9 +25,7 @@ DEFAULT_LOCAL_RANKS = 2
 
 def chosen(transport: str | None) -> str:
     """The transport `run` uses for `transport` (None: from the environment)."""
-    from mate import _choose_transport
-
-    return _choose_transport(transport)
+    return registry.choose(transport).name
 
 
 async def run(program: Callable[[World], Awaitable[T]], *, transport: str | None = None,
@@ -58,12 +56,12 @@ async def run(program: Callable[[World], Awaitable[T]], *, transport: str | None
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every demo takes: transport, ranks, progress, handlers."""
     group = parser.add_argument_group("transport")
-    group.add_argument("--transport", choices=("local", "mpi"), default=None,
+    group.add_argument("--transport", choices=tuple(registry.TRANSPORTS), default=None,
                        help="default: $MATE_TRANSPORT, else mpi under mpiexec, else local")
     group.add_argument("--ranks", type=int, default=None,
                        help=f"ranks in this process, local transport only "
                             f"(default {DEFAULT_LOCAL_RANKS})")
-    group.add_argument("--progress", choices=("poll", "thread", "manual"), default=None,
+    group.add_argument("--progress", choices=registry.progress_modes(), default=None,
                        help="mpi progress mode (default poll)")
     group.add_argument("--handlers", choices=("loop", "progress"), default="loop",
                        help='where handlers run; "progress" needs --progress thread')

@@ -23,14 +23,13 @@ import asyncio
 import functools
 import inspect
 import logging
-import math
-import operator
 import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from mate import arguments
 from mate.buffers import byte_view
 from mate.constants import ANY_SOURCE, ANY_TAG, UNSET, UnsetType
 from mate.deadlines import Deadlines, LoopDeadlines, ThreadDeadlines
@@ -45,23 +44,7 @@ from mate.transports.base import Operation, Report, Transport, failure
 logger = logging.getLogger("mate")
 
 _NO_SCHEDULE = Schedule()
-ADDRESS_LIMIT = 2**64  # one past the last byte a region can hold
 Timeout = float | None | UnsetType
-
-
-def check_seconds(value: Any, what: str) -> float:
-    """A finite, non-negative number of seconds, or InvalidArgument."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgument(f"{what} must be a number of seconds, not {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise InvalidArgument(f"{what} must be finite and >= 0, not {value!r}")
-    return float(value)
-
-
-def check_handlers(handlers: Any) -> str:
-    if handlers not in MODES:
-        raise InvalidArgument(f"handlers must be one of {MODES}, not {handlers!r}")
-    return str(handlers)
 
 
 class World:
@@ -71,8 +54,8 @@ class World:
         self, loop: asyncio.AbstractEventLoop, *, default_timeout: float, handlers: str
     ) -> None:
         self._loop = loop
-        self.default_timeout = check_seconds(default_timeout, "default_timeout")
-        self.handlers = check_handlers(handlers)
+        self.default_timeout = arguments.seconds(default_timeout, "default_timeout")
+        self.handlers = arguments.choice(handlers, "handlers", MODES)
         self._entry = EntryQueue(loop)
         self._dispatcher = Dispatcher(loop, self.handlers, self._entry)
         # Handlers in the progress thread: reports are applied where they come from.
@@ -120,8 +103,8 @@ class World:
         """
         transport = self._open()
         view = byte_view(buffer, writable=False, what="send buffer")
-        dest = self._rank(dest, "dest", wildcard=False)
-        tag = self._tag(tag, transport.tag_max, wildcard=False)
+        dest = arguments.rank(dest, "dest", self.numprocs, wildcard=False)
+        tag = arguments.tag(tag, transport.tag_max, wildcard=False)
         return self._post(transport, Op.SEND, view, dest, tag, 0, schedule, timeout)
 
     def recv(self, buffer: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG, *,
@@ -129,8 +112,8 @@ class World:
         """Receive into `buffer` a message from `source` with `tag` (wildcards allowed)."""
         transport = self._open()
         view = byte_view(buffer, writable=True, what="recv buffer")
-        source = self._rank(source, "source", wildcard=True)
-        tag = self._tag(tag, transport.tag_max, wildcard=True)
+        source = arguments.rank(source, "source", self.numprocs, wildcard=True)
+        tag = arguments.tag(tag, transport.tag_max, wildcard=True)
         return self._post(transport, Op.RECV, view, source, tag, 0, schedule, timeout)
 
     def put(self, buffer: Any, dest: int, address: int, *,
@@ -138,8 +121,8 @@ class World:
         """Write `buffer` into `dest`'s exposed memory at `address`."""
         transport = self._open()
         view = byte_view(buffer, writable=False, what="put buffer")
-        dest = self._rank(dest, "dest", wildcard=False)
-        address = self._address(address, len(view))
+        dest = arguments.rank(dest, "dest", self.numprocs, wildcard=False)
+        address = arguments.address(address, len(view))
         return self._post(transport, Op.PUT, view, dest, 0, address, schedule, timeout)
 
     def get(self, buffer: Any, source: int, address: int, *,
@@ -147,8 +130,8 @@ class World:
         """Read `source`'s exposed memory at `address` into `buffer`."""
         transport = self._open()
         view = byte_view(buffer, writable=True, what="get buffer")
-        source = self._rank(source, "source", wildcard=False)
-        address = self._address(address, len(view))
+        source = arguments.rank(source, "source", self.numprocs, wildcard=False)
+        address = arguments.address(address, len(view))
         return self._post(transport, Op.GET, view, source, 0, address, schedule, timeout)
 
     def expose(self, buffer: Any) -> Region:
@@ -200,59 +183,6 @@ class World:
             raise InvalidArgument("this world has been shut down")
         return self._transport
 
-    def _rank(self, rank: Any, what: str, *, wildcard: bool) -> int:
-        if isinstance(rank, bool):
-            raise InvalidArgument(f"{what} must be a rank (int), not {rank!r}")
-        try:
-            value: int = operator.index(rank)
-        except TypeError:
-            raise InvalidArgument(f"{what} must be a rank (int), not {rank!r}") from None
-        if wildcard and value == ANY_SOURCE:
-            return value
-        if not 0 <= value < self.numprocs:
-            allowed = "mate.ANY_SOURCE or " if wildcard else ""
-            raise InvalidArgument(
-                f"{what}={value} is not a rank of this world: allowed are {allowed}"
-                f"0..{self.numprocs - 1}" + ("" if wildcard else " (no wildcard here)")
-            )
-        return value
-
-    @staticmethod
-    def _tag(tag: Any, tag_max: int, *, wildcard: bool) -> int:
-        if isinstance(tag, bool):
-            raise InvalidArgument(f"tag must be an int, not {tag!r}")
-        try:
-            value: int = operator.index(tag)
-        except TypeError:
-            raise InvalidArgument(f"tag must be an int, not {tag!r}") from None
-        if wildcard and value == ANY_TAG:
-            return value
-        if not 0 <= value <= tag_max:
-            allowed = "mate.ANY_TAG or " if wildcard else ""
-            raise InvalidArgument(
-                f"tag={value} is out of range: allowed are {allowed}0..{tag_max} (world.tag_max)"
-                + ("" if wildcard else "; a send cannot use a wildcard")
-            )
-        return value
-
-    @staticmethod
-    def _address(address: Any, length: int) -> int:
-        """A target address: `[address, address + length)` must fit in 64 bits."""
-        if isinstance(address, bool):
-            raise InvalidArgument(f"address must be an int, not {address!r}")
-        try:
-            value: int = operator.index(address)
-        except TypeError:
-            raise InvalidArgument(
-                f"address must be an int (region.address + offset), not {address!r}"
-            ) from None
-        if value < 0:
-            raise InvalidArgument(f"address must be >= 0, not {value}")
-        if value >= ADDRESS_LIMIT or value + length > ADDRESS_LIMIT:  # no region can hold it
-            raise InvalidArgument(
-                f"[{value:#x}, +{length}) ends past 2**64: no exposed region can hold it")
-        return value
-
     def _post(self, transport: Transport, op: Op, view: memoryview, peer: int, tag: int,
               address: int, schedule: Schedule | None, timeout: Timeout) -> Message:
         if schedule is None:
@@ -264,7 +194,7 @@ class World:
         elif timeout is None:
             seconds = None
         else:
-            seconds = check_seconds(timeout, "timeout")
+            seconds = arguments.seconds(timeout, "timeout")
         deadline = None if seconds is None else time.monotonic() + seconds
         msg = Message(self, op, view, peer, tag, address, schedule, deadline)
         with self._lock:

@@ -18,11 +18,13 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from mate import registry
 from mate.arguments import non_negative, positive_int
 from mate.bench import stats
 from mate.bench.driver import BenchError, Options, run
 from mate.bench.patterns import PATTERNS, SUBMISSION_PATTERNS
 from mate.bench.report import Result, format_summary, write_plot
+from mate.errors import InvalidArgument
 
 DEFAULT_SIZES = "1:4M"
 DEFAULT_MIN_TIME = 0.05
@@ -75,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mate-bench", description=__doc__.splitlines()[0],
         epilog=PATTERN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("pattern", choices=PATTERNS)
-    parser.add_argument("--transport", choices=("local", "mpi"),
-                        help="default: mpi when started by mpiexec, else local")
-    parser.add_argument("--progress", choices=("poll", "thread", "manual"),
+    parser.add_argument("--transport", choices=tuple(registry.TRANSPORTS),
+                        help="default: $MATE_TRANSPORT, else mpi when started by mpiexec, "
+                             "else local")
+    parser.add_argument("--progress", choices=registry.progress_modes(),
                         help="mpi progress mode (default poll)")
     parser.add_argument("--rma", choices=("native", "emulated"),
                         help="mpi put/get: MPI-3 RMA or the two-sided protocol (default native)")
@@ -92,12 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from mate.transports.mpi import launched_by_mpiexec
-
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.transport is None:
-        args.transport = "mpi" if launched_by_mpiexec() else "local"
+    if args.transport is None:  # as mate.startup chooses
+        try:
+            args.transport = registry.choose(None).name
+        except InvalidArgument as exc:
+            parser.error(f"$MATE_TRANSPORT: {exc}")
     if args.transport == "local":
         if args.baseline:
             parser.error("--baseline needs --transport mpi (the baseline is raw mpi4py)")
@@ -159,11 +163,9 @@ def launch(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from mate.transports.mpi import launched_by_mpiexec
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args.transport == "mpi" and not launched_by_mpiexec():
+    if args.transport == "mpi" and not registry.launched_by_mpiexec():
         sys.exit(launch(argv))
     try:
         result = run(options(args))

@@ -30,13 +30,15 @@ import enum
 from collections.abc import AsyncIterator
 from typing import Any
 
+from mate import arguments
 from mate.buffers import address_of
 from mate.constants import ANY_SOURCE
 from mate.errors import FailureReason, InvalidArgument
 from mate.matching import PostedReceives, UnexpectedMessages
+from mate.registry import TRANSPORTS
 from mate.schedule import Op, Region
 from mate.transports.base import Operation, Sink, Transport
-from mate.world import World, check_handlers, check_seconds
+from mate.world import World
 
 DEFAULT_EAGER_LIMIT = 64 * 1024
 # The most ranks one local group may have, refused up front rather than failing
@@ -267,28 +269,14 @@ class LocalTransport(Transport):
         self._regions.clear()
 
 
-def _check_eager_limit(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgument(f"eager_limit must be an int >= 0 (bytes), not {value!r}")
-    return value
-
-
-def _check_options(progress: Any, options: dict[str, Any]) -> None:
-    if options:
-        raise InvalidArgument(
-            f"unknown option(s) {sorted(options)} for the local transport; "
-            "it accepts default_timeout, handlers, eager_limit"
-        )
-    if progress is not None:
-        raise InvalidArgument(
-            f"the local transport progresses on the event loop; progress must be None, "
-            f"not {progress!r}"
-        )
+def open_transport(sink: Sink, loop: asyncio.AbstractEventLoop, *, handlers: str,
+                   eager_limit: int) -> Transport:
+    """One rank alone (`mate.startup("local")`); the registry checked the options."""
+    return LocalTransport(Fabric(1), 0, sink, loop, eager_limit)
 
 
 async def open_worlds(n: int, *, default_timeout: float = 1.0, progress: Any = None,
-                      handlers: str = "loop", eager_limit: int = DEFAULT_EAGER_LIMIT,
-                      **options: Any) -> list[World]:
+                      handlers: str = "loop", **options: Any) -> list[World]:
     """Open `n` connected local worlds on the running loop (1 <= n <= MAX_RANKS)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidArgument(f"the number of ranks must be an int >= 1, not {n!r}")
@@ -297,10 +285,8 @@ async def open_worlds(n: int, *, default_timeout: float = 1.0, progress: Any = N
             f"{n} ranks do not fit in one process: the local transport takes at most "
             f"{MAX_RANKS} (each costs about 2 KB); run more under a launcher (mpi)"
         )
-    _check_options(progress, options)
-    check_seconds(default_timeout, "default_timeout")
-    check_handlers(handlers)
-    eager_limit = _check_eager_limit(eager_limit)
+    arguments.seconds(default_timeout, "default_timeout")
+    eager_limit = TRANSPORTS["local"].resolve(progress, handlers, options)["eager_limit"]
     loop = asyncio.get_running_loop()
     fabric = Fabric(n)
     worlds = []

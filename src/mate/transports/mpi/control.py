@@ -33,16 +33,23 @@ MAX_REGIONS = 4096  # the most regions a table reply lists
 _REGION = struct.Struct("<QQ")  # (address, length) of a region, in a table
 
 
+class _Fixed:
+    """A message of fixed size: its kind, then its fields in order (`FORMAT`)."""
+
+    KIND: ClassVar[int]
+    FORMAT: ClassVar[struct.Struct]
+
+    def encode(self) -> bytes:
+        return self.FORMAT.pack(self.KIND, *attrs.astuple(self))  # type: ignore[arg-type]
+
+
 @attrs.frozen
-class TableRequest:
+class TableRequest(_Fixed):
     """Origin -> target: send me your region table on `reply_tag`."""
 
     KIND: ClassVar[int] = 1
     FORMAT: ClassVar[struct.Struct] = struct.Struct("<Bxxxi")
     reply_tag: int
-
-    def encode(self) -> bytes:
-        return self.FORMAT.pack(self.KIND, self.reply_tag)
 
 
 @attrs.frozen
@@ -70,31 +77,25 @@ class Table:
 
 
 @attrs.frozen
-class Revoke:
+class Revoke(_Fixed):
     """Target -> origin: forget my table; acknowledge once your operations to me landed."""
 
     KIND: ClassVar[int] = 3
     FORMAT: ClassVar[struct.Struct] = struct.Struct("<BxxxxxxxQ")
     epoch: int
 
-    def encode(self) -> bytes:
-        return self.FORMAT.pack(self.KIND, self.epoch)
-
 
 @attrs.frozen
-class RevokeAck:
+class RevokeAck(_Fixed):
     """Origin -> target: nothing of mine is in flight to you any more (for `epoch`)."""
 
     KIND: ClassVar[int] = 4
     FORMAT: ClassVar[struct.Struct] = struct.Struct("<BxxxxxxxQ")
     epoch: int
 
-    def encode(self) -> bytes:
-        return self.FORMAT.pack(self.KIND, self.epoch)
-
 
 @attrs.frozen
-class Get:
+class Get(_Fixed):
     """Origin -> target (emulated): send `length` bytes at `address` to `reply_tag`."""
 
     KIND: ClassVar[int] = 5
@@ -103,20 +104,14 @@ class Get:
     address: int
     length: int
 
-    def encode(self) -> bytes:
-        return self.FORMAT.pack(self.KIND, self.reply_tag, self.address, self.length)
-
 
 @attrs.frozen
-class GetRefused:
+class GetRefused(_Fixed):
     """Target -> origin (emulated): the get on `reply_tag` is outside my regions."""
 
     KIND: ClassVar[int] = 6
     FORMAT: ClassVar[struct.Struct] = struct.Struct("<Bxxxi")
     reply_tag: int
-
-    def encode(self) -> bytes:
-        return self.FORMAT.pack(self.KIND, self.reply_tag)
 
 
 @attrs.frozen
@@ -134,7 +129,7 @@ class Put:
 
 
 @attrs.frozen
-class PutRequest:
+class PutRequest(_Fixed):
     """Origin -> target (emulated, rendezvous): may I write `length` bytes at `address`?"""
 
     KIND: ClassVar[int] = 8
@@ -142,9 +137,6 @@ class PutRequest:
     reply_tag: int
     address: int
     length: int
-
-    def encode(self) -> bytes:
-        return self.FORMAT.pack(self.KIND, self.reply_tag, self.address, self.length)
 
 
 @attrs.frozen
@@ -181,9 +173,11 @@ def decode(data: memoryview) -> Control:
     if kind == Put.KIND:
         _, reply_tag, address = Put.FORMAT.unpack_from(data)
         return Put(reply_tag, address, bytes(data[Put.FORMAT.size:]))
-    for cls in (TableRequest, Revoke, RevokeAck, Get, GetRefused, PutRequest):
+    fixed: tuple[type[_Fixed], ...] = (TableRequest, Revoke, RevokeAck, Get, GetRefused,
+                                        PutRequest)
+    for cls in fixed:
         if kind == cls.KIND:
-            return cls(*cls.FORMAT.unpack_from(data)[1:])
+            return cls(*cls.FORMAT.unpack_from(data)[1:])  # type: ignore[return-value]
     raise ValueError(f"not a control message (kind {kind})")
 
 

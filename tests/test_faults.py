@@ -204,13 +204,13 @@ async def test_seeded_plans_replay_the_same_faults(fabric: Fabric) -> None:
     runs = []
     for _ in range(2):
         async with fabric.open() as group:
-            outcomes: list[list[State]] = []
+            outcomes: dict[int, list[State]] = {}  # by rank: ranks finish in any order
 
             async def keep(world: mate.World) -> None:
-                outcomes.append(await program(world))  # noqa: B023
+                outcomes[world.mypid] = await program(world)  # noqa: B023
 
             await group.run(keep)
-            runs.append(outcomes)
+            runs.append([outcomes[rank] for rank in sorted(outcomes)])
     assert runs[0] == runs[1]
     states = {state for outcome in runs[0] for state in outcome}
     assert {State.COMPLETED, State.TIMED_OUT, State.FAILED} <= states

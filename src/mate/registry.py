@@ -151,7 +151,7 @@ TRANSPORTS: dict[str, Entry] = {
             launcher="mpiexec",
             detect=launched_by_mpiexec,
             requires="mpi4py",
-            install="pip install 'mate[mpi]'",
+            install="pip install 'mate-messages[mpi]'",
         ),
     )
 }

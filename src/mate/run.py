@@ -56,7 +56,7 @@ def find_mpiexec() -> str:
         return str(beside)
     found = shutil.which("mpiexec")
     if found is None:
-        raise SystemExit("mate-run: no mpiexec found; pip install 'mate[mpi]' "
+        raise SystemExit("mate-run: no mpiexec found; pip install 'mate-messages[mpi]' "
                          "(the mpich wheel brings one) or install an MPI library")
     return found
 

@@ -117,12 +117,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         try:
             import uvloop  # noqa: F401
         except ImportError:
-            parser.error("--uvloop: uvloop is not installed (pip install 'mate[uvloop]')")
+            parser.error("--uvloop: uvloop is not installed (pip install 'mate-messages[uvloop]')")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            parser.error("--plot needs matplotlib (pip install 'mate[bench]')")
+            parser.error("--plot needs matplotlib (pip install 'mate-messages[bench]')")
     return args
 
 

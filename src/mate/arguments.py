@@ -36,11 +36,14 @@ def probability(value: Any, what: str) -> float:
     return float(value)
 
 
-def count(value: Any, what: str, *, minimum: int = 0, unit: str = "") -> int:
-    """An int >= `minimum` (bytes, messages, ranks)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def count(value: Any, what: str, *, minimum: int = 0, maximum: int | None = None,
+          unit: str = "") -> int:
+    """An int in [`minimum`, `maximum`] (bytes, messages, ranks)."""
+    if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+            or (maximum is not None and value > maximum)):
         unit = f" ({unit})" if unit else ""
-        raise InvalidArgument(f"{what} must be an int >= {minimum}{unit}, not {value!r}")
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise InvalidArgument(f"{what} must be an int {bound}{unit}, not {value!r}")
     return value
 
 

@@ -15,11 +15,19 @@ lets the other ranks run on when one dies, names every rank that ended badly
 on stderr (``mate-run: rank 1 exited with status 137 (killed by SIGKILL)``),
 and returns the status of the lowest such rank (128 + N for signal N), else 0.
 Any other mpiexec is run as it is.
+
+For the ibverbs transport (``--transport ibverbs``) mate-run starts the N
+processes itself, with the environment of a rendezvous it serves on loopback
+(`mate.transports.ibverbs.bootstrap`: the ranks exchange their QP endpoints
+there, guarded by a secret made for this job). Output is prefixed and ranks
+that ended badly are reported in the same way; a rank that dies does not stop
+the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import re
@@ -72,16 +80,18 @@ def is_hydra(mpiexec: str) -> bool:
 def command(nranks: int, program: list[str], options: tuple[str, ...] = (),
             wrapper: tuple[str, ...] = ()) -> list[str]:
     """The mpiexec command line that starts `nranks` copies of `program`."""
-    if program[0] in ("python", "python3"):
-        program = [sys.executable, *program[1:]]
-    elif "/" not in program[0] and (Path(sys.executable).parent / program[0]).exists():
-        program = [str(Path(sys.executable).parent / program[0]), *program[1:]]  # mate-bench
-    return [find_mpiexec(), *options, "-n", str(nranks), *wrapper, *program]
+    return [find_mpiexec(), *options, "-n", str(nranks), *wrapper, *program_command(program)]
 
 
 def describe(status: int) -> tuple[int, str]:
     """A rank's wait status as its exit code, and in words (128 + N: signal N)."""
-    code = os.waitstatus_to_exitcode(status)
+    return in_words(os.waitstatus_to_exitcode(status))
+
+
+def in_words(code: int) -> tuple[int, str]:
+    """An exit code (-N or 128 + N: killed by signal N) as 128 + N, and in words."""
+    if code < 0:
+        code = 128 - code
     if code > 128:
         with contextlib.suppress(ValueError):  # not a signal's number
             return code, f"{code} (killed by {signal.Signals(code - 128).name})"
@@ -195,9 +205,73 @@ def supervise(nranks: int, program: list[str]) -> int:
         returncode = mpiexec.wait()
     if not relay.statuses:  # mpiexec failed before the ranks ended
         return 128 - returncode if returncode < 0 else returncode
+    return report([describe(status) for status in relay.statuses])
+
+
+def program_command(program: list[str]) -> list[str]:
+    """`program` with ``python`` as this interpreter and commands beside it found there."""
+    if program[0] in ("python", "python3"):
+        return [sys.executable, *program[1:]]
+    if "/" not in program[0] and (Path(sys.executable).parent / program[0]).exists():
+        return [str(Path(sys.executable).parent / program[0]), *program[1:]]  # mate-bench
+    return program
+
+
+async def _relay_lines(stream: asyncio.StreamReader, rank: int, out: IO[bytes]) -> None:
+    partial = b""
+    while True:
+        data = await stream.read(65536)
+        if not data:
+            break
+        *lines, partial = (partial + data).split(b"\n")
+        write(out, [b"[%d] %s\n" % (rank, line) for line in lines])
+    if partial:
+        write(out, [b"[%d] %s\n" % (rank, partial)])
+
+
+async def _run_local(nranks: int, program: list[str], transport: str) -> list[int]:
+    from mate.transports.ibverbs.bootstrap import Rendezvous
+
+    rendezvous = Rendezvous(nranks)
+    await rendezvous.start()
+    argv = program_command(program)
+    processes = []
+    try:
+        for rank in range(nranks):
+            env = {**os.environ, "MATE_TRANSPORT": transport, **rendezvous.environment(rank)}
+            processes.append(await asyncio.create_subprocess_exec(
+                *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
+        relays = [_relay_lines(stream, rank, out)
+                  for rank, process in enumerate(processes)
+                  for stream, out in ((process.stdout, sys.stdout.buffer),
+                                      (process.stderr, sys.stderr.buffer))
+                  if stream is not None]
+        await asyncio.gather(*relays)
+        return [await process.wait() for process in processes]
+    finally:
+        for process in processes:
+            if process.returncode is None:
+                process.terminate()
+                await process.wait()
+        await rendezvous.close()
+
+
+def supervise_local(nranks: int, program: list[str], transport: str) -> int:
+    """Start the ranks here, serve their rendezvous, report the ranks that failed."""
+    try:
+        codes = asyncio.run(_run_local(nranks, program, transport))
+    except KeyboardInterrupt:
+        return 130
+    except FileNotFoundError as exc:
+        print(f"mate-run: {exc}", file=sys.stderr)
+        return 127
+    return report([in_words(code) for code in codes])
+
+
+def report(ended: list[tuple[int, str]]) -> int:
+    """Name each rank that ended badly; the exit code of the lowest one, else 0."""
     first = 0
-    for rank, status in enumerate(relay.statuses):
-        code, words = describe(status)
+    for rank, (code, words) in enumerate(ended):
         if code:
             print(f"mate-run: rank {rank} exited with status {words}", file=sys.stderr)
             first = first or code
@@ -214,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("a PROGRAM to run is required")
     if args.nranks < 1:
         parser.error("-n must be at least 1")
+    if registry.TRANSPORTS[args.transport].launcher == "rendezvous":
+        sys.exit(supervise_local(args.nranks, args.program, args.transport))
     os.environ["MATE_TRANSPORT"] = args.transport
     if is_hydra(find_mpiexec()):
         sys.exit(supervise(args.nranks, args.program))

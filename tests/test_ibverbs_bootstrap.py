@@ -1,0 +1,135 @@
+"""The ibverbs bootstrap: mate-run's rendezvous, its secret, and mate-run's local launcher."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mate.transports.ibverbs import bootstrap
+
+
+async def _exchange_as(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+                       blob: object) -> list[object]:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return await bootstrap.exchange(blob)
+
+
+async def test_the_rendezvous_hands_every_rank_the_table_in_rank_order() -> None:
+    server = bootstrap.Rendezvous(3)
+    await server.start()
+    try:
+        async def rank(r: int) -> list[object]:
+            with pytest.MonkeyPatch.context() as mp:
+                # each task sets its env just before connecting; exchange reads it at once
+                return await _exchange_as(mp, server.environment(r), {"rank": r})
+
+        tables = await asyncio.gather(rank(2), rank(0), rank(1))
+    finally:
+        await server.close()
+    assert tables == [[{"rank": 0}, {"rank": 1}, {"rank": 2}]] * 3
+    assert server.refused == 0
+
+
+async def _raw_hello(address: str, hello: dict[str, object]) -> dict[str, object]:
+    host, _, port = address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    json.loads(await reader.readline())  # the challenge
+    writer.write(json.dumps(hello).encode() + b"\n")
+    await writer.drain()
+    reply: dict[str, object] = json.loads(await reader.readline())
+    writer.close()
+    return reply
+
+
+async def test_a_process_without_the_secret_is_refused_and_the_job_goes_on() -> None:
+    server = bootstrap.Rendezvous(2)
+    address = await server.start()
+    try:
+        forged = await _raw_hello(address, {"rank": 0, "proof": "00" * 32, "blob": "evil"})
+        assert forged == {"error": "refused"}
+        malformed = await _raw_hello(address, {"rank": "zero"})
+        assert malformed == {"error": "refused"}
+        assert server.refused == 2
+
+        async def rank(r: int) -> list[object]:
+            with pytest.MonkeyPatch.context() as mp:
+                return await _exchange_as(mp, server.environment(r), f"blob{r}")
+
+        tables = await asyncio.gather(rank(0), rank(1))
+    finally:
+        await server.close()
+    assert tables == [["blob0", "blob1"]] * 2  # the forged blob never got in
+
+
+async def test_a_rank_cannot_check_in_twice_in_one_round() -> None:
+    server = bootstrap.Rendezvous(2)
+    address = await server.start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            first = asyncio.ensure_future(_exchange_as(mp, server.environment(0), "a"))
+            await asyncio.sleep(0.2)
+            # an impostor who knows the secret, claiming rank 0's place in round 0
+            host, _, port = address.rpartition(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            challenge = json.loads(await reader.readline())["challenge"]
+            writer.write(json.dumps({"rank": 0, "round": 0, "blob": "again",
+                                     "proof": bootstrap._proof(server.secret, challenge)})
+                         .encode() + b"\n")
+            await writer.drain()
+            assert json.loads(await reader.readline()) == {"error": "refused"}
+            writer.close()
+            second = await _exchange_as(mp, server.environment(1), "b")
+            assert await first == second == ["a", "b"]
+            assert server.refused == 1
+    finally:
+        await server.close()
+
+
+async def test_successive_worlds_in_one_process_meet_in_successive_rounds() -> None:
+    server = bootstrap.Rendezvous(2)
+    await server.start()
+    try:
+        async def rank(r: int) -> list[list[object]]:
+            with pytest.MonkeyPatch.context() as mp:
+                tables = []
+                for world in range(3):
+                    tables.append(await _exchange_as(mp, server.environment(r), (world, r)))
+                    await asyncio.sleep(0.05 * r)  # rank 1 lags: rounds must not mix
+                return tables
+
+        zero, one = await asyncio.gather(rank(0), rank(1))
+    finally:
+        await server.close()
+    assert zero == one == [[[w, 0], [w, 1]] for w in range(3)]
+    assert server.refused == 0
+
+
+def _mate_run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mate.run", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_mate_run_starts_local_ranks_with_the_rendezvous_environment() -> None:
+    code = ("import os; print(os.environ['MATE_TRANSPORT'], os.environ['MATE_RANK'], "
+            "os.environ['MATE_SIZE'], 'MATE_SECRET' in os.environ)")
+    done = _mate_run("-n", "3", "--transport", "ibverbs", "python", "-c", code)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [
+        f"[{r}] ibverbs {r} 3 True" for r in range(3)]
+
+
+def test_mate_run_reports_a_dead_rank_and_lets_the_others_finish() -> None:
+    code = ("import os, signal, time, sys\n"
+            "rank = int(os.environ['MATE_RANK'])\n"
+            "if rank == 1: os.kill(os.getpid(), signal.SIGKILL)\n"
+            "time.sleep(1.0)\n"
+            "print('finished', rank, flush=True)\n")
+    done = _mate_run("-n", "3", "--transport", "ibverbs", "python", "-c", code)
+    assert done.returncode == 137
+    assert "mate-run: rank 1 exited with status 137 (killed by SIGKILL)" in done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[0] finished 0", "[2] finished 2"]

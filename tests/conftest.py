@@ -24,6 +24,9 @@ import mate
 
 LAUNCHED = os.environ.get("MATE_TEST_TRANSPORT")  # set by a launcher for multi-process runs
 LAUNCH_OPTIONS = json.loads(os.environ.get("MATE_TEST_OPTIONS", "{}"))  # e.g. progress, rma
+# Whether the launched transport runs a progress thread (so handlers="progress" works).
+THREADED = LAUNCHED is not None and LAUNCH_OPTIONS.get("progress") in (
+    mate.registry.TRANSPORTS[LAUNCHED].threaded_progress)
 LOCAL_SIZES = (2, 3)
 
 

@@ -1,9 +1,11 @@
-"""Run a test module on N real processes under mpiexec, and report every rank.
+"""Run a test module on N real processes under a launcher, and report every rank.
 
 `run_under_mpiexec(module, n, options)` starts ``mpiexec -n N python -m pytest
 MODULE`` with the transport and its options in the environment (see
-conftest.py); each rank runs the same tests against its own world. The result
-holds every rank's output, so that a failure on any rank is shown whole.
+conftest.py); each rank runs the same tests against its own world.
+`run_under_mate_run` does the same for the ibverbs transport under
+``mate-run -n N --transport ibverbs``. The result holds every rank's output,
+so that a failure on any rank is shown whole.
 """
 
 from __future__ import annotations
@@ -24,10 +26,23 @@ TESTS = Path(__file__).parent
 
 def run_under_mpiexec(module: str, nranks: int, options: dict[str, object],
                       *, timeout: float = 600, extra: tuple[str, ...] = ()) -> None:
-    env = dict(os.environ, MATE_TEST_TRANSPORT="mpi", MATE_TEST_SIZE=str(nranks),
+    launcher = [find_mpiexec(), "-n", str(nranks), "-l", sys.executable]
+    _run_launched("mpi", launcher, module, nranks, options, timeout, extra)
+
+
+def run_under_mate_run(module: str, nranks: int, options: dict[str, object],
+                       *, timeout: float = 600, extra: tuple[str, ...] = ()) -> None:
+    launcher = [sys.executable, "-m", "mate.run", "-n", str(nranks), "--transport", "ibverbs",
+                "python"]
+    _run_launched("ibverbs", launcher, module, nranks, options, timeout, extra)
+
+
+def _run_launched(transport: str, launcher: list[str], module: str, nranks: int,
+                  options: dict[str, object], timeout: float, extra: tuple[str, ...]) -> None:
+    env = dict(os.environ, MATE_TEST_TRANSPORT=transport, MATE_TEST_SIZE=str(nranks),
                MATE_TEST_OPTIONS=json.dumps(options), PYTHONUNBUFFERED="1")
-    command = [find_mpiexec(), "-n", str(nranks), "-l", sys.executable, "-m", "pytest",
-               str(TESTS / module), "-q", "-p", "no:cacheprovider", "-x", *extra]
+    command = [*launcher, "-m", "pytest", str(TESTS / module), "-q", "-p", "no:cacheprovider",
+               "-x", *extra]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True,
                               timeout=timeout, cwd=TESTS.parent)

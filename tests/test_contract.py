@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from conftest import LAUNCH_OPTIONS, LAUNCHED, Fabric, barrier
+from conftest import THREADED, Fabric, barrier
 
 import mate
 from mate.machine import Input
@@ -21,9 +21,8 @@ from mate.transports.base import Operation, Report, Transport
 from mate.world import World
 
 SLACK = 0.1  # SPEC §2: a timeout fires no later than 0.1 s + 10 % after its value
-THREADED = LAUNCHED == "mpi" and LAUNCH_OPTIONS.get("progress") == "thread"
 needs_progress_thread = pytest.mark.skipif(
-    not THREADED, reason='handlers="progress" needs a progress thread (mpi, thread mode)')
+    not THREADED, reason='handlers="progress" needs a progress thread (thread mode)')
 
 
 @needs_progress_thread

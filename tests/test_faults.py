@@ -12,14 +12,13 @@ import time
 
 import attrs
 import pytest
-from conftest import LAUNCH_OPTIONS, LAUNCHED, Fabric, barrier
+from conftest import THREADED, Fabric, barrier
 
 import mate
 from mate import Event, FailureReason, Schedule, State
 from mate.faults import FaultPlan, FaultyTransport, inject
 
 SLACK = 0.1
-THREADED = LAUNCHED == "mpi" and LAUNCH_OPTIONS.get("progress") == "thread"
 
 
 def ring(world: mate.World) -> tuple[int, int, int]:
@@ -243,7 +242,7 @@ async def test_delays_keep_each_channel_in_order(fabric: Fabric) -> None:
         await group.run(program)
 
 
-@pytest.mark.skipif(not THREADED, reason="handlers run in a progress thread (mpi, thread mode)")
+@pytest.mark.skipif(not THREADED, reason="handlers run in a progress thread (thread mode)")
 async def test_faults_with_handlers_on_the_progress_thread(fabric: Fabric) -> None:
     """Issue 13, defect 2: with handlers="progress" the fault layer deadlocked.
 

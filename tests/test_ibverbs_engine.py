@@ -26,7 +26,8 @@ from mate.machine import Input
 from mate.schedule import Op, Region
 from mate.transports.base import Operation, Report
 from mate.transports.ibverbs import wire
-from mate.transports.ibverbs.verbs import WcOpcode, WcStatus, WorkCompletion
+from mate.transports.ibverbs.engine import PROBE_BASE
+from mate.transports.ibverbs.verbs import Opcode, WcOpcode, WcStatus, WorkCompletion
 from mate.transports.ibverbs.wire import HEADER_SIZE, Kind, ProtocolError, decode, encode
 
 EAGER = 64
@@ -764,6 +765,46 @@ def test_peer_lost_while_reading_waits_for_the_flush() -> None:
     fabric.run()
     assert all(pin.refs == 0 for pin in pins)
     assert fabric.engine(0).outstanding() == fabric.engine(1).outstanding() == 0
+
+
+def test_keepalive_probes_the_peers_waited_on_with_nothing_on_the_wire() -> None:
+    fabric = Fabric(4, eager_size=EAGER)
+    from_1 = fabric.post(0, recv(10, 1, 0))
+    fabric.post(0, send(pattern(1000, 3), 2, 0))  # rendezvous: waits for rank 2's FIN
+    fabric.post(0, send(b"x", 3, 0))  # eager: its SEND is on the wire
+    engine = fabric.engine(0)
+    engine.keepalive()
+    probes = {peer: [wr for wr in fabric.qps[0, peer].pending if wr.wr_id >= PROBE_BASE]
+              for peer in range(1, 4)}
+    assert [len(probes[p]) for p in (1, 2, 3)] == [1, 0, 0]  # 2 and 3: their RTS/SEND is out
+    (probe,) = probes[1]
+    assert (probe.opcode, probe.sge, probe.signaled) == (Opcode.RDMA_READ, None, True)
+    engine.keepalive()  # the first probe is still out: it will tell
+    assert len(fabric.qps[0, 1].pending) == 1
+    fabric.run()
+    assert fabric.outcome(0, from_1) is None  # an answered probe changes nothing
+    engine.keepalive()  # rank 2's FIN is awaited, nothing is on the wire any more
+    assert [wr.wr_id for wr in fabric.qps[0, 2].pending] == [PROBE_BASE + 2]
+    assert engine.stats()["probes"] == 3
+    fabric.run()
+    assert engine.idle()
+
+
+def test_a_probe_that_goes_unanswered_loses_the_peer() -> None:
+    fabric = Fabric(3, eager_size=EAGER)
+    from_1 = fabric.post(0, recv(10, 1, 0))
+    from_2 = fabric.post(0, recv(10, 2, 0))
+    fabric.dead.add(1)  # killed: rank 0's QP to it is still in RTS, and nothing is posted
+    fabric.run()
+    assert fabric.outcome(0, from_1) is None
+    fabric.engine(0).keepalive()
+    fabric.run()
+    report = assert_failed(fabric, 0, from_1, FailureReason.PEER_UNREACHABLE)
+    assert "did not answer a probe (RETRY_EXC_ERR)" in str(report.error)
+    assert fabric.outcome(0, from_2) is None  # rank 2 is alive
+    fabric.post(2, send(b"alive", 0))
+    fabric.run()
+    assert_completed(fabric, 0, from_2, 5)
 
 
 def test_a_post_the_device_refuses_loses_the_peer() -> None:

@@ -187,6 +187,7 @@ class Fabric:
         self.credits = credits
         self.held: dict[tuple[int, int], int] = {}  # (sender, receiver): buffers in use
         self.credit_frames: dict[tuple[int, int], int] = {}  # (sender, receiver): unprocessed
+        self.dead: set[int] = set()  # ranks whose device no longer answers (a killed node)
         self.qps = {(a, b): _QP(a, b) for a in range(size) for b in range(size)}
         self.scq: dict[tuple[int, int], deque[WorkCompletion]] = {
             key: deque() for key in self.qps}
@@ -290,7 +291,9 @@ class Fabric:
         opcode = {Opcode.SEND: WcOpcode.SEND, Opcode.RDMA_READ: WcOpcode.RDMA_READ,
                   Opcode.RDMA_WRITE: WcOpcode.RDMA_WRITE}[wr.opcode]
         local = None
-        if sge is not None:
+        if qp.dst in self.dead:  # nobody answers: the requester's retries run out
+            status = WcStatus.RETRY_EXC_ERR
+        elif sge is not None:
             local = src.pd.by_lkey.get(sge.lkey)
             need = Access.LOCAL_WRITE if wr.opcode is Opcode.RDMA_READ else Access(0)
             if local is None or not local.covers(sge.addr, n) or local.access & need != need:

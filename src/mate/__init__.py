@@ -51,7 +51,7 @@ class startup:
     Use ``async with mate.startup(...) as world:`` (leaving the block is
     mate_shutdown), or ``world = await mate.startup(...)`` and later
     ``await world.shutdown()``. `transport` is a name of `mate.registry.TRANSPORTS`
-    ("local", "mpi"), or None: ``$MATE_TRANSPORT``, else the transport whose
+    ("local", "mpi", "ibverbs"), or None: ``$MATE_TRANSPORT``, else the transport whose
     launcher started this process, else "local".
     """
 

@@ -55,7 +55,9 @@ class Entry:
     options: Mapping[str, Option]
     progress: tuple[str, ...]  # its progress modes, the default first; () = none to choose
     threaded_progress: tuple[str, ...]  # the modes with a progress thread (handlers="progress")
-    launcher: str | None  # how mate-run starts its ranks ("mpiexec"), or None: one process
+    # how mate-run starts its ranks: "mpiexec", "rendezvous" (its own processes and an
+    # endpoint exchange on loopback), or None: one process
+    launcher: str | None
     detect: Callable[[], bool]  # True in a process started for this transport
     requires: str | None = None  # a module it cannot work without, and how to get it
     install: str = ""
@@ -152,6 +154,31 @@ TRANSPORTS: dict[str, Entry] = {
             detect=launched_by_mpiexec,
             requires="mpi4py",
             install="pip install 'mate-messages[mpi]'",
+        ),
+        Entry(
+            name="ibverbs",
+            summary="InfiniBand verbs (thesis §5.3): pyverbs on an HCA, else a software RC "
+                    "device; ranks started by mate-run (or mpiexec)",
+            opener="mate.transports.ibverbs:open_transport",
+            options={
+                "device": Option(None, lambda v: None if v is None else arguments.choice(
+                    v, "device", ("soft", "pyverbs")),
+                    "None: pyverbs when an HCA exists, else the software device"),
+                "link": Option("unix", lambda v: arguments.choice(v, "link", ("unix", "tcp")),
+                               "how the software device connects its QPs"),
+                "eager_size": Option(8192, _bytes("eager_size"),
+                                     "sends up to this size are copied (eager), larger ones "
+                                     "are RDMA-read by the receiver (rendezvous)"),
+                "credits": Option(32, lambda v: arguments.count(
+                    v, "credits", minimum=2, maximum=4096),
+                                  "receive descriptors pre-posted per peer"),
+                "pin_limit": Option(256 * 2**20, _bytes("pin_limit", minimum=1),
+                                    "bytes of user memory the pin cache keeps registered"),
+            },
+            progress=("loop", "poll", "thread"),
+            threaded_progress=("thread",),
+            launcher="rendezvous",
+            detect=lambda: "MATE_RENDEZVOUS" in os.environ,
         ),
     )
 }

@@ -87,6 +87,15 @@ is broken: it is treated as lost (counted in `protocol_errors`; the QP itself
 is the driver's). A post that the device refuses (QP not in RTS) loses that
 peer the same way.
 
+Liveness. An RC QP learns that its peer is gone only from a work request
+that fails; a rank that merely waits on a peer (a receive from it, a
+rendezvous send waiting for its FIN, a key request) has none on the wire.
+So the driver calls `keepalive` every few seconds, and to each peer that
+operations wait on while none of our work requests is on its QP the engine
+posts a probe: a zero-length RDMA READ, which needs no key, no receive
+buffer and no CPU at the target, but must be answered by the peer's device.
+A probe that fails loses the peer.
+
 Reports. Every operation gets exactly one terminal report (`_Rec.ended`
 guards it) and at most one SUBMITTED, before it. Where submission and
 completion are learnt together (rendezvous at the FIN, put at its READ) only
@@ -95,8 +104,8 @@ COMPLETED is reported: the core fires both events.
 The driver. Every call may append reports; the driver takes them after the
 call (`take_reports`) and hands them to the sink. Completions are told apart
 by `wr_id` alone (receive buffers from 0, send slots from `SEND_BASE`, RDMA
-requests from `RDMA_BASE`), never by opcode, which an error completion does
-not define. Mapping a completion's `qp_num` to a peer, and calling
+requests from `RDMA_BASE`, probes from `PROBE_BASE`), never by opcode, which
+an error completion does not define. Mapping a completion's `qp_num` to a peer, and calling
 `peer_lost` when that QP is in ERR, is the driver's job. Its CQs must hold
 up to ``size * max_send_wr`` send completions and ``size * (credits + 1)``
 receive completions. When every user operation has ended the rank may still
@@ -155,6 +164,7 @@ class Wire(Protocol):
 # wr_id spaces: receive buffers are numbered from 0, send slots and RDMA requests above.
 SEND_BASE = 1 << 40
 RDMA_BASE = 1 << 41  # READ ids are even; a put's WRITE is its READ's id + 1
+PROBE_BASE = 1 << 42  # + the peer's rank: a keepalive probe
 
 SCRATCH_KEEP = 64 << 20  # bytes of freed scratch buffers kept registered for reuse
 _ALL_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE
@@ -335,6 +345,7 @@ class Engine:
         self._credit_messages = 0
         self._key_request_count = 0
         self._protocol_errors = 0
+        self._probes = 0
 
     # -- the driver's calls ------------------------------------------------------------
 
@@ -444,8 +455,10 @@ class Engine:
             self._received(wc)
         elif wr_id < RDMA_BASE:
             self._sent(wc)
-        else:
+        elif wr_id < PROBE_BASE:
             self._rdma_done(wc)
+        else:
+            self._probed(wc)
         if self._failing:
             self._settle()
 
@@ -454,6 +467,21 @@ class Engine:
         if not self._lost[peer]:
             self._lost[peer] = True
             self._lose(peer, detail)
+        if self._failing:
+            self._settle()
+
+    def keepalive(self) -> None:
+        """Probe every peer that operations wait on while nothing of ours is on its QP."""
+        for p in range(self.size):
+            if p != self.rank and self._active[p] and not self._sq[p] and not self._lost[p]:
+                try:
+                    self._wire.post_send(p, SendWR(PROBE_BASE + p, Opcode.RDMA_READ, None,
+                                                   True, 0, 0))
+                except VerbsError as exc:
+                    self._wire_failed(p, exc)
+                    continue
+                self._sq[p] += 1
+                self._probes += 1
         if self._failing:
             self._settle()
 
@@ -519,6 +547,7 @@ class Engine:
             "eager_sends": self._eager_sends, "rendezvous_sends": self._rendezvous_sends,
             "credit_stalls": self._credit_stalls, "credit_messages": self._credit_messages,
             "key_requests": self._key_request_count, "protocol_errors": self._protocol_errors,
+            "probes": self._probes,
         }
         counters.update(self._pins.stats())
         return counters
@@ -674,9 +703,9 @@ class Engine:
             self._pumping = outer
 
     def _wire_failed(self, p: int, exc: VerbsError) -> None:
-        """The device refused a post to `p`: lose `p` at the end of this call."""
+        """The wire to `p` failed: lose `p` at the end of this call."""
         self._lost[p] = True
-        self._failing[p] = f"posting to rank {p} failed: {exc}"
+        self._failing[p] = f"the wire to rank {p} failed: {exc}"
 
     def _send_frame(self, p: int, kind: Kind, flags: int, tag: int, length: int, msg_id: int,
                     addr: int, rkey: int, rec: _Rec | None = None,
@@ -972,6 +1001,14 @@ class Engine:
                 self._wc_failed(rec, wc)
             self._finish(rec)
         self._pump(p)
+
+    def _probed(self, wc: WorkCompletion) -> None:
+        p = wc.wr_id - PROBE_BASE
+        self._sq[p] -= 1
+        if wc.status is WcStatus.SUCCESS:
+            self._pump(p)
+        elif not self._lost[p]:
+            self._wire_failed(p, VerbsError(f"rank {p} did not answer a probe ({wc.status.name})"))
 
     def _read_done(self, rec: _Rec) -> None:
         """`rec`'s rendezvous data is in (or there was no room to read any): FIN, report."""

@@ -1,0 +1,170 @@
+"""Who runs the ibverbs transport's progress passes, and when (thesis §5.3.3).
+
+A *pass* (`Transport.run_pass`) collects what the completion channel and the
+completion queues hold, feeds the work completions to the protocol engine,
+and hands the reports to the core at once. The three modes only differ in
+who calls it:
+
+* `LoopProgress` (``loop``): the completion channel's file descriptor is
+  watched by the event loop (`loop.add_reader`). Progress is event-driven: no
+  thread, no spinning; an idle rank costs nothing.
+* `PollProgress` (``poll``): as ``loop``, and while user messages are
+  outstanding the loop also polls the CQs from `call_soon` callbacks, busy
+  for `SPIN` seconds after the last progress, then with growing pauses (up
+  to `MAX_BACKOFF`); the channel's reader stays on, so a poller that backed
+  off still wakes at once when something arrives.
+* `ThreadProgress` (``thread``): a progress thread blocks in `select` on the
+  completion channel (and an eventfd that `kick` and `stop` write); passes
+  and, with ``handlers="progress"``, handlers run there.
+
+`kick()` asks for a pass soon: the transport calls it when a `post` or a
+`cancel` left reports (a failure found at post time is never reported from
+inside `post`) or started work whose completion nobody would otherwise wait
+for.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger("mate")
+
+SPIN = 0.002  # seconds of busy polling after the last progress (poll mode)
+MAX_BACKOFF = 0.001  # longest pause between polls while messages are outstanding
+
+#: A pass: returns True if it moved anything.
+Pass = Callable[[], bool]
+
+
+class Progress(abc.ABC):
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, run_pass: Pass) -> None:
+        self.loop = loop
+        self.fd = fd
+        self.run_pass = run_pass
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def kick(self) -> None:
+        """Run a pass soon (from any thread)."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """No pass runs after this returns (called on the loop's thread)."""
+
+    def _guarded(self) -> bool:
+        try:
+            return self.run_pass()
+        except Exception:  # a bug in a pass must not stop progress for good
+            logger.exception("mate: ibverbs progress pass failed")
+            return False
+
+
+class LoopProgress(Progress):
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, run_pass: Pass) -> None:
+        super().__init__(loop, fd, run_pass)
+        self._kicked = False
+        self._stopped = False
+
+    def start(self) -> None:
+        self.loop.add_reader(self.fd, self._guarded)
+
+    def kick(self) -> None:
+        if self._kicked or self._stopped:
+            return
+        self._kicked = True
+        if self._on_loop_thread():
+            self.loop.call_soon(self._kicked_pass)
+        else:
+            self.loop.call_soon_threadsafe(self._kicked_pass)
+
+    def _on_loop_thread(self) -> bool:
+        return getattr(self.loop, "_thread_id", None) == threading.get_ident()
+
+    def _kicked_pass(self) -> None:
+        self._kicked = False
+        if not self._stopped:
+            self._guarded()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self.loop.remove_reader(self.fd)
+
+
+class PollProgress(LoopProgress):
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, run_pass: Pass,
+                 outstanding: Callable[[], int]) -> None:
+        super().__init__(loop, fd, run_pass)
+        self.outstanding = outstanding
+        self._polling = False
+        self._last_moved = 0.0
+        self._pause = 0.0
+
+    def kick(self) -> None:
+        if self._polling or self._stopped:
+            return
+        self._polling = True
+        self._last_moved = time.monotonic()
+        self._pause = 0.0
+        if self._on_loop_thread():
+            self.loop.call_soon(self._poll)
+        else:
+            self.loop.call_soon_threadsafe(self._poll)
+
+    def _poll(self) -> None:
+        if self._stopped:
+            return
+        now = time.monotonic()
+        if self._guarded():
+            self._last_moved, self._pause = now, 0.0
+        if not self.outstanding():
+            self._polling = False  # idle: the channel's reader wakes the next pass
+            return
+        if now - self._last_moved < SPIN:
+            self.loop.call_soon(self._poll)
+        else:
+            self._pause = min(MAX_BACKOFF, max(self._pause * 2, 50e-6))
+            self.loop.call_later(self._pause, self._poll)
+
+
+class ThreadProgress(Progress):
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, run_pass: Pass) -> None:
+        super().__init__(loop, fd, run_pass)
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="mate-ibverbs-progress",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def kick(self) -> None:
+        os.eventfd_write(self._wake, 1)
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        poller.register(self._wake, select.POLLIN)
+        while not self._stopping:
+            ready = poller.poll()
+            if any(fd == self._wake for fd, _ in ready):
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._wake)
+            if not self._stopping:
+                self._guarded()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.kick()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        os.close(self._wake)

@@ -1,7 +1,10 @@
 """An 8 B mate ping-pong that runs for a while, for a sampling profiler.
 
     mpiexec -n 2 python bench/profile_pingpong.py 8 &
+    mate-run -n 2 --transport ibverbs python bench/profile_pingpong.py 8 progress=loop &
     py-spy record -p <rank 0's pid> -d 4 -r 500 -f raw -o profile.txt
+
+The world is the launcher's transport; ``name=value`` arguments are its options.
 
 `summarise(path)` (python bench/profile_pingpong.py --summarise profile.txt)
 prints the self and inclusive shares of the hottest frames.
@@ -17,8 +20,8 @@ from collections import Counter
 import mate
 
 
-async def pingpong(seconds: float) -> None:
-    async with mate.startup("mpi") as world:
+async def pingpong(seconds: float, options: dict[str, str]) -> None:
+    async with mate.startup(**options) as world:
         buf, rounds, start = bytearray(8), 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             for _ in range(1000):
@@ -59,4 +62,5 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--summarise"]:
         summarise(sys.argv[2])
     else:
-        asyncio.run(pingpong(float(sys.argv[1]) if len(sys.argv) > 1 else 8.0))
+        asyncio.run(pingpong(float(sys.argv[1]) if len(sys.argv) > 1 else 8.0,
+                             dict(arg.split("=", 1) for arg in sys.argv[2:])))

@@ -17,10 +17,13 @@ who calls it:
   completion channel (and an eventfd that `kick` and `stop` write); passes
   and, with ``handlers="progress"``, handlers run there.
 
-`kick()` asks for a pass soon: the transport calls it when a `post` or a
-`cancel` left reports (a failure found at post time is never reported from
-inside `post`) or started work whose completion nobody would otherwise wait
-for.
+Two calls tell a mode what the transport did. `posted()`: work was started.
+Its completions will make the channel readable, so only ``poll`` acts (it
+starts polling). `kick()`: a call left reports (an eager send's submission,
+a failure found at post time: the core never takes reports from inside
+`post`); they are delivered soon by `deliver`, which hands them over without
+touching the device (by a full pass in ``thread`` mode, where handlers run
+on the progress thread).
 """
 
 from __future__ import annotations
@@ -45,17 +48,22 @@ Pass = Callable[[], bool]
 
 
 class Progress(abc.ABC):
-    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, run_pass: Pass) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, run_pass: Pass,
+                 deliver: Callable[[], None]) -> None:
         self.loop = loop
         self.fd = fd
         self.run_pass = run_pass
+        self.deliver = deliver
 
     @abc.abstractmethod
     def start(self) -> None: ...
 
     @abc.abstractmethod
     def kick(self) -> None:
-        """Run a pass soon (from any thread)."""
+        """Reports are waiting: have them delivered soon (from any thread)."""
+
+    def posted(self) -> None:  # noqa: B027 (most modes need do nothing)
+        """Work was started or is awaited; the channel will tell when it completes."""
 
     @abc.abstractmethod
     def stop(self) -> None:
@@ -70,8 +78,9 @@ class Progress(abc.ABC):
 
 
 class LoopProgress(Progress):
-    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, run_pass: Pass) -> None:
-        super().__init__(loop, fd, run_pass)
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, run_pass: Pass,
+                 deliver: Callable[[], None]) -> None:
+        super().__init__(loop, fd, run_pass, deliver)
         self._kicked = False
         self._stopped = False
 
@@ -93,7 +102,7 @@ class LoopProgress(Progress):
     def _kicked_pass(self) -> None:
         self._kicked = False
         if not self._stopped:
-            self._guarded()
+            self.deliver()
 
     def stop(self) -> None:
         self._stopped = True
@@ -102,14 +111,17 @@ class LoopProgress(Progress):
 
 class PollProgress(LoopProgress):
     def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, run_pass: Pass,
-                 outstanding: Callable[[], int]) -> None:
-        super().__init__(loop, fd, run_pass)
+                 deliver: Callable[[], None], outstanding: Callable[[], int]) -> None:
+        super().__init__(loop, fd, run_pass, deliver)
         self.outstanding = outstanding
         self._polling = False
         self._last_moved = 0.0
         self._pause = 0.0
 
-    def kick(self) -> None:
+    def posted(self) -> None:
+        self.kick()
+
+    def kick(self) -> None:  # a poll is a pass, which delivers the reports too
         if self._polling or self._stopped:
             return
         self._polling = True
@@ -137,8 +149,9 @@ class PollProgress(LoopProgress):
 
 
 class ThreadProgress(Progress):
-    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, run_pass: Pass) -> None:
-        super().__init__(loop, fd, run_pass)
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, run_pass: Pass,
+                 deliver: Callable[[], None]) -> None:
+        super().__init__(loop, fd, run_pass, deliver)
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mate-ibverbs-progress",

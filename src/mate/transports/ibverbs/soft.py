@@ -25,7 +25,9 @@ The device's work -- reading frames from the QP sockets, placing SENDs,
 answering RNR, serving one-sided requests, processing answers, generating
 work completions, RNR retries, writing queued output, noticing lost links --
 is the "service" step, done without blocking by whichever thread calls
-`CompletionQueue.poll` or `CompletionChannel.get_cq_event`; `post_send`
+`CompletionQueue.poll` or `CompletionChannel.get_cq_event` when it has
+nothing queued to return (so a caller draining events or completions pays
+for one service step, not one per call); `post_send`
 transmits (or performs direct RDMA) at once when it can. Everything runs
 under one device lock, so the loop thread and a progress thread may call
 anything concurrently. A process that does not poll does not serve: SENDs
@@ -270,8 +272,9 @@ class SoftChannel(CompletionChannel):
     def get_cq_event(self) -> SoftCQ | None:
         device = self._device
         with device._lock:
-            device._service()
             events = self._events
+            if not events:  # else the device's work can wait for the next call
+                device._service()
             cq = None
             if events:
                 cq = events.popleft()
@@ -307,10 +310,11 @@ class SoftCQ(CompletionQueue):
     def poll(self, max_entries: int) -> list[WorkCompletion]:
         device = self._device
         with device._lock:
-            device._service()
+            wcs = self._wcs
+            if not wcs:  # else the device's work can wait for the next call
+                device._service()
             if device._raised:
                 device._signal()
-            wcs = self._wcs
             if len(wcs) <= max_entries:
                 taken = list(wcs)
                 wcs.clear()

@@ -89,14 +89,16 @@ class IbverbsTransport(Transport):
         self._lock = threading.Lock()
         self._pending: list[Report] = []  # reports found outside a pass, for the next one
         self._closed = False
+        self._poll_all = progress == "poll"
         fd = channel.fileno()
         self._progress: Progress
         if progress == "thread":
-            self._progress = ThreadProgress(loop, fd, self.run_pass)
+            self._progress = ThreadProgress(loop, fd, self.run_pass, self._deliver)
         elif progress == "poll":
-            self._progress = PollProgress(loop, fd, self.run_pass, engine.outstanding)
+            self._progress = PollProgress(loop, fd, self.run_pass, self._deliver,
+                                          engine.outstanding)
         else:
-            self._progress = LoopProgress(loop, fd, self.run_pass)
+            self._progress = LoopProgress(loop, fd, self.run_pass, self._deliver)
         for cq in self._cqs:
             cq.req_notify()
         self._progress.start()
@@ -109,8 +111,13 @@ class IbverbsTransport(Transport):
             if self._closed:
                 return
             self._engine.post(op)
-            self._pending += self._engine.take_reports()
-        self._progress.kick()
+            reports = self._engine.take_reports()
+            if reports:
+                self._pending += reports
+        if reports:
+            self._progress.kick()
+        else:
+            self._progress.posted()
 
     def cancel(self, op: Operation) -> None:
         with self._lock:
@@ -137,7 +144,7 @@ class IbverbsTransport(Transport):
         await done
 
     def awaiting(self, op: Operation, done: Any) -> None:
-        self._progress.kick()
+        self._progress.posted()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -148,6 +155,13 @@ class IbverbsTransport(Transport):
         return counters
 
     # -- progress ------------------------------------------------------------------------
+
+    def _deliver(self) -> None:
+        """Hand the reports that calls left to the core (no device work)."""
+        with self._lock:
+            reports, self._pending = self._pending, []
+        if reports:
+            self._sink.report_all(reports)
 
     def _keepalive(self) -> None:
         """Probe the peers operations wait on: a dead one is found by its failed probe."""
@@ -165,22 +179,27 @@ class IbverbsTransport(Transport):
         with self._lock:
             if self._closed:
                 return False
-            while True:
-                cq = self._channel.get_cq_event()
-                if cq is None:
-                    break
+            # A CQ is armed again before it is polled, so a completion that comes after
+            # the poll raises a new event: one that raised none has nothing new (in poll
+            # mode every CQ is polled all the same, to get ahead of the events).
+            raised: list[CompletionQueue] = []
+            while (cq := self._channel.get_cq_event()) is not None:
                 cq.ack_events(1)
                 cq.req_notify()
+                raised.append(cq)
             for cq in self._cqs:
+                if not (self._poll_all or cq in raised):
+                    continue
                 while True:
                     completions = cq.poll(POLL_BATCH)
-                    if not completions:
+                    if completions:
+                        moved = True
+                        for wc in completions:
+                            self._engine.completion(wc)
+                            if wc.status is not WcStatus.SUCCESS:
+                                self._check_peer(wc.qp_num, wc.status)
+                    if len(completions) < POLL_BATCH:
                         break
-                    moved = True
-                    for wc in completions:
-                        self._engine.completion(wc)
-                        if wc.status is not WcStatus.SUCCESS:
-                            self._check_peer(wc.qp_num, wc.status)
             reports = self._pending + self._engine.take_reports()
             self._pending = []
         if reports:

@@ -6,8 +6,10 @@
     mate-bench pingpong --transport local --sizes 1:64K
 
 Started outside a launcher with ``--transport mpi`` it starts its own two
-ranks (``mpiexec -n 2``); under mpiexec (or mate-run) it is one of them. Only
-rank 0 prints and writes files.
+ranks (``mpiexec -n 2``); with ``--transport ibverbs`` it starts them with
+``mate-run -n 2 --transport ibverbs``, or under mpiexec with ``--baseline``
+(raw MPI is the baseline, so MPI must be there); under a launcher it is one
+of the ranks. Only rank 0 prints and writes files.
 """
 
 from __future__ import annotations
@@ -104,10 +106,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"$MATE_TRANSPORT: {exc}")
     if args.transport == "local":
         if args.baseline:
-            parser.error("--baseline needs --transport mpi (the baseline is raw mpi4py)")
-        for option in ("progress", "rma"):
-            if getattr(args, option) is not None:
-                parser.error(f"--{option} applies to --transport mpi only")
+            parser.error("--baseline needs a launched transport (the baseline is raw mpi4py)")
+        if args.progress is not None:
+            parser.error("--progress applies to launched transports (mpi, ibverbs)")
+    if args.rma is not None and args.transport != "mpi":
+        parser.error("--rma applies to --transport mpi only")
+    modes = registry.TRANSPORTS[args.transport].progress
+    if args.progress is not None and args.progress not in modes:
+        parser.error(f"--progress {args.progress}: the {args.transport} transport has "
+                     f"{', '.join(modes)}")
     if args.wait == "submission" and args.pattern not in SUBMISSION_PATTERNS:
         parser.error(f"--wait submission: {args.pattern} has no submission event "
                      f"(only {', '.join(SUBMISSION_PATTERNS)} do)")
@@ -148,11 +155,16 @@ def emit(result: Result, args: argparse.Namespace) -> None:
         print(f"wrote {args.plot}", flush=True)
 
 
-def launch(argv: Sequence[str]) -> int:
-    """Run this benchmark again as two MPI ranks; return mpiexec's exit code."""
+def launch(argv: Sequence[str], transport: str, baseline: bool) -> int:
+    """Run this benchmark again as two ranks (mpiexec, or mate-run for a transport of
+    its own launcher without an MPI baseline); return the launcher's exit code."""
     from mate.run import find_mpiexec
 
-    command = [find_mpiexec(), "-n", "2", sys.executable, "-m", "mate.bench", *argv]
+    if registry.TRANSPORTS[transport].launcher == "mpiexec" or baseline:
+        launcher = [find_mpiexec(), "-n", "2"]
+    else:
+        launcher = [sys.executable, "-m", "mate.run", "-n", "2", "--transport", transport]
+    command = [*launcher, sys.executable, "-m", "mate.bench", *argv]
     env = dict(os.environ)
     env.setdefault(PROGRESS_ENV, "1" if sys.stderr.isatty() else "0")
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -165,28 +177,29 @@ def launch(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args.transport == "mpi" and not registry.launched_by_mpiexec():
-        sys.exit(launch(argv))
+    entry = registry.TRANSPORTS[args.transport]
+    if entry.launcher is not None and not (registry.launched_by_mpiexec() or entry.detect()):
+        sys.exit(launch([*argv, "--transport", args.transport], args.transport, args.baseline))
     try:
         result = run(options(args))
     except BenchError as exc:
         print(f"mate-bench: {exc}", file=sys.stderr)
-        _abort_mpi(args, 2)
+        _abort_mpi(2)
         sys.exit(2)
     except BaseException:
-        if args.transport == "mpi":
+        if registry.launched_by_mpiexec():
             import traceback
 
             traceback.print_exc()
-            _abort_mpi(args, 1)
+            _abort_mpi(1)
         raise
     if result is not None:
         emit(result, args)
 
 
-def _abort_mpi(args: argparse.Namespace, code: int) -> None:
+def _abort_mpi(code: int) -> None:
     """One rank failed: end the whole MPI job rather than leave the other one waiting."""
-    if args.transport != "mpi":
+    if not registry.launched_by_mpiexec() or "mpi4py.MPI" not in sys.modules:
         return
     from mpi4py import MPI
 

@@ -1,9 +1,10 @@
-"""Running a benchmark: two ranks on the local transport (one process) or on MPI
-(one rank per process, under mpiexec), the sweep over sizes, and the result.
+"""Running a benchmark: two ranks on the local transport (one process), or one rank
+per process on a launched transport (mpi under mpiexec; ibverbs under mate-run,
+or under mpiexec when raw MPI is the baseline), the sweep over sizes, and the result.
 
-On MPI with a baseline every size is measured twice in turn, first with mate
-then with raw mpi4py (`mate.bench.patterns.RawBench`), so that both see the
-same machine state; the raw calls run on their own communicator and window.
+With a baseline every size is measured twice in turn, first with mate then with
+raw mpi4py (`mate.bench.patterns.RawBench`), so that both see the same machine
+state; the raw calls run on their own communicator and window.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mate
+from mate import registry
 from mate.bench import stats
 from mate.bench.measure import Batch, Measurement, measure
 from mate.bench.patterns import DIVISOR, MateBench, RawBench
@@ -34,8 +36,8 @@ class BenchError(Exception):
 @dataclass(frozen=True)
 class Options:
     pattern: str
-    transport: str  # "local" or "mpi"
-    progress: str | None = None  # mpi: poll (default), thread, manual
+    transport: str  # a name of mate.registry.TRANSPORTS
+    progress: str | None = None  # None: the transport's default
     rma: str | None = None  # mpi: native (default), emulated
     wait: str = "completion"
     sizes: tuple[int, ...] = (8,)
@@ -65,21 +67,26 @@ def _metadata(opts: Options) -> dict[str, Any]:
     }
     if opts.pattern == "wait":
         extra["idle_s"] = opts.idle
-    if opts.transport == "mpi":
+    extra["rma"] = (opts.rma or "native") if opts.transport == "mpi" else None
+    if opts.transport == "mpi" or opts.baseline:
         import mpi4py
         from mpi4py import MPI
 
-        extra["rma"] = opts.rma or "native"
         extra["mpi4py"] = mpi4py.__version__
         extra["mpi_library"] = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
-    else:
-        extra["rma"] = None
+    if opts.transport == "local":
         extra["note"] = "local transport: both ranks in one process; CPU % covers both"
     return extra
 
 
+def progress_of(opts: Options) -> str | None:
+    """The progress mode the run uses: the one asked for, else the transport's default."""
+    modes = registry.TRANSPORTS[opts.transport].progress
+    return (opts.progress or modes[0]) if modes else None
+
+
 def new_result(opts: Options) -> Result:
-    progress = (opts.progress or "poll") if opts.transport == "mpi" else None
+    progress = progress_of(opts)
     return Result(opts.pattern, opts.transport, progress, opts.wait, socket.gethostname(),
                   extra=_metadata(opts))
 
@@ -139,12 +146,12 @@ async def run_local(opts: Options) -> Result:
     return result
 
 
-async def run_mpi(opts: Options) -> Result | None:
-    """This process's rank on the MPI transport; rank 0 returns the result."""
-    options: dict[str, Any] = {"progress": opts.progress or "poll"}
+async def run_launched(opts: Options) -> Result | None:
+    """This process's rank on a launched transport (mpi, ibverbs); rank 0 returns the result."""
+    options: dict[str, Any] = {"progress": progress_of(opts)}
     if opts.rma is not None:
         options["rma"] = opts.rma
-    async with mate.startup("mpi", **options) as world:
+    async with mate.startup(opts.transport, **options) as world:
         if world.numprocs != 2:
             raise BenchError(f"mate-bench runs on exactly 2 ranks, not {world.numprocs}")
         bench = MateBench(world, opts.pattern, opts.wait, opts.sweep, opts.idle)
@@ -174,7 +181,7 @@ async def run_mpi(opts: Options) -> Result | None:
 def run(opts: Options) -> Result | None:
     """Run the benchmark on this process's event loop (uvloop if asked)."""
     runner: Callable[[Options], Coroutine[Any, Any, Result | None]]
-    runner = run_local if opts.transport == "local" else run_mpi
+    runner = run_local if opts.transport == "local" else run_launched
     if opts.uvloop:
         import uvloop
 

@@ -1012,6 +1012,41 @@ async def test_put_get(group):
     await group.run(program)
 
 
+async def test_stats_count_messages_and_bytes_by_op(group):
+    """world.stats(): what this rank's messages did, counted once each, on every transport."""
+    ops = ("send", "recv", "put", "get")
+
+    async def program(world):
+        me, n = world.mypid, world.numprocs
+        right, left = (me + 1) % n, (me - 1) % n
+        window = bytearray(64)
+        region = world.expose(window)
+        peers = await exchange_regions(world, region, 210)
+        await barrier(world)
+        before = world.stats()
+        assert all(type(v) is int for v in before.values()) and before["outstanding"] == 0
+        inbox = bytearray(200)
+        r = world.recv(inbox, left, 211)
+        await world.send(b"s" * 100, right, 211)
+        await r
+        await world.put(b"p" * 10, right, peers[right])
+        await world.get(bytearray(20), left, peers[left])
+        with pytest.raises(mate.MessageTimeout):
+            await world.recv(bytearray(1), left, 212, timeout=0.05)
+        after = world.stats()
+        delta = {key: after[key] - before[key]
+                 for key in (*(f"{op}_{what}" for op in ops for what in ("messages", "bytes")),
+                             "timed_out", "failed", "cancelled")}
+        assert delta == {"send_messages": 1, "send_bytes": 100, "recv_messages": 1,
+                         "recv_bytes": 100, "put_messages": 1, "put_bytes": 10,
+                         "get_messages": 1, "get_bytes": 20,
+                         "timed_out": 1, "failed": 0, "cancelled": 0}
+        await barrier(world)
+        await world.unexpose(region)
+
+    await group.run(program)
+
+
 async def test_one_sided_bounds(group):
     SIZE = 64
 

@@ -143,8 +143,6 @@ def test_eager_and_rendezvous_deliver_the_bytes(size: int, recv_first: bool,
     assert bytes(r.buffer[:size]) == data and bytes(r.buffer[size:]) == b"\0" * 10
     stats = fabric.engine(0).stats()
     assert stats["eager_sends" if size <= EAGER else "rendezvous_sends"] == 1
-    assert stats["send_messages"] == 1 and stats["send_bytes"] == size
-    assert fabric.engine(dest).stats()["recv_bytes"] == size
     assert fabric.engine(0).outstanding() == fabric.engine(1).outstanding() == 0
 
 
@@ -423,8 +421,6 @@ def test_put_and_get(target: int, deadline: float | None) -> None:
     assert canaries_intact(area.memory, 10_000)
     stats = fabric.engine(0).stats()
     assert stats["key_requests"] == 1  # the key was cached after the first
-    assert (stats["put_messages"], stats["put_bytes"]) == (2, 5003)
-    assert (stats["get_messages"], stats["get_bytes"]) == (1, 5000)
 
 
 def test_key_requests_for_one_range_are_shared() -> None:
@@ -876,11 +872,9 @@ def test_shutdown_deregisters_everything() -> None:
     fabric.post(0, send(pattern(1000, 1), 1, 0, SOON))  # left unmatched, holding a copy
     fabric.run()
     stats = fabric.engine(0).stats()
-    assert set(stats) >= {"send_messages", "send_bytes", "recv_messages", "recv_bytes",
-                          "put_messages", "put_bytes", "get_messages", "get_bytes",
-                          "eager_sends", "rendezvous_sends", "credit_stalls",
+    assert set(stats) >= {"eager_sends", "rendezvous_sends", "credit_stalls",
                           "credit_messages", "key_requests", "pin_hits", "pin_misses",
-                          "pin_evictions", "bytes_pinned"}
+                          "pin_evictions", "bytes_pinned", "probes"}
     for rank in fabric.ranks:
         rank.engine.shutdown()
         assert not rank.pd.by_lkey

@@ -38,7 +38,7 @@ from mate.entry import EntryQueue
 from mate.errors import FailureReason, InvalidArgument
 from mate.machine import Input
 from mate.message import Message, Waiters
-from mate.schedule import Op, Region, Schedule
+from mate.schedule import Op, Region, Schedule, State
 from mate.transports.base import Operation, Report, Transport, failure
 
 logger = logging.getLogger("mate")
@@ -64,6 +64,9 @@ class World:
                                       else LoopDeadlines(loop, self._expire))
         self._lock = threading.Lock()  # guards message states, waiters, the outstanding set
         self._outstanding: set[Message] = set()
+        # Counters for stats(): [messages, bytes] completed by op, and other endings.
+        self._completed = {op: [0, 0] for op in Op}
+        self._endings = {State.TIMED_OUT: 0, State.FAILED: 0, State.CANCELLED: 0}
         self._exposed: Counter[Region] = Counter()
         self._transport: Transport | None = None
         self._closed = False
@@ -156,11 +159,19 @@ class World:
         self._open().progress()
 
     def stats(self) -> dict[str, int]:
-        """Counters: messages outstanding here, and the transport's own counters."""
+        """Counters: messages outstanding here; messages and bytes completed by op
+        (``send_messages``, ``send_bytes``, ... ``get_bytes``); messages that timed
+        out, failed or were cancelled; then the transport's own counters."""
         transport = self._open()
         with self._lock:
-            outstanding = len(self._outstanding)
-        return {"outstanding": outstanding, **transport.stats()}
+            counters = {"outstanding": len(self._outstanding)}
+            for op, (messages, nbytes) in self._completed.items():
+                counters[f"{op.value}_messages"] = messages
+                counters[f"{op.value}_bytes"] = nbytes
+            counters["timed_out"] = self._endings[State.TIMED_OUT]
+            counters["failed"] = self._endings[State.FAILED]
+            counters["cancelled"] = self._endings[State.CANCELLED]
+        return {**counters, **transport.stats()}
 
     async def shutdown(self) -> None:
         """Cancel every outstanding message (no handlers run) and release the transport."""
@@ -274,6 +285,12 @@ class World:
             if ended:
                 msg.settle(length, peer, tag, error)
                 self._outstanding.discard(msg)
+                if step.state is State.COMPLETED:
+                    completed = self._completed[msg.op]
+                    completed[0] += 1
+                    completed[1] += msg.length
+                else:
+                    self._endings[step.state] += 1
                 if msg.deadline is not None:
                     self._deadlines.ended()
             woken = msg.take_waiters() if step.events or ended else None

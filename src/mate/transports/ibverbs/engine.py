@@ -337,8 +337,6 @@ class Engine:
         self._reports: list[Report] = []
         self._live = 0
         # statistics
-        self._messages = [0] * 5  # completed, by _Rec.kind
-        self._bytes = [0] * 5
         self._eager_sends = 0
         self._rendezvous_sends = 0
         self._credit_stalls = 0
@@ -538,12 +536,7 @@ class Engine:
         self._pool_mrs = []
 
     def stats(self) -> dict[str, int]:
-        m, b = self._messages, self._bytes
-        counters = {
-            "send_messages": m[_EAGER] + m[_RDV], "send_bytes": b[_EAGER] + b[_RDV],
-            "recv_messages": m[_RECV], "recv_bytes": b[_RECV],
-            "put_messages": m[_PUT], "put_bytes": b[_PUT],
-            "get_messages": m[_GET], "get_bytes": b[_GET],
+        counters = {  # (messages and bytes by op are the core's: World.stats)
             "eager_sends": self._eager_sends, "rendezvous_sends": self._rendezvous_sends,
             "credit_stalls": self._credit_stalls, "credit_messages": self._credit_messages,
             "key_requests": self._key_request_count, "protocol_errors": self._protocol_errors,
@@ -1034,9 +1027,6 @@ class Engine:
         if not rec.ended:  # `_end`, inlined: this is every message's path
             rec.ended = True
             self._live -= 1
-            kind = rec.kind
-            self._messages[kind] += 1
-            self._bytes[kind] += length
             self._reports.append(Report(_COMPLETED, rec.op, length, peer, tag))
 
     def _received_data(self, rec: _Rec, source: int, tag: int, n: int, m: int) -> None:

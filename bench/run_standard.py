@@ -10,8 +10,12 @@ subprocess (it starts its own two ranks with mpiexec):
   depend on --rma, so they run once per progress mode);
 * put and get, progress poll and thread, rma native and emulated;
 * wait (a rank waiting 1 s for a message: its CPU %), progress poll and thread;
+* the ibverbs transport on its software device (`--transport ibverbs
+  --baseline`: the ranks are started by mpiexec, exchange their QPs by MPI and
+  measure raw mpi4py in the same run): pingpong in every progress mode,
+  pingping, put and get, and wait in the loop and thread modes;
 * the asyncio TCP streams ping-pong on 127.0.0.1 (`python -m mate.bench.tcp`),
-  the future peer baseline for the ibverbs soft device.
+  the peer baseline for the ibverbs soft device's latency.
 
 Each run leaves `<out>/<name>.json`, `.png` and `.txt` (the table); the
 summary table goes to stdout and `<out>/SUMMARY.md`, with SPEC §7's targets.
@@ -61,6 +65,17 @@ def standard_runs(common: list[str]) -> list[Run]:
         runs.append(Run(f"wait-{progress}",
                         ["-m", "mate.bench", "wait", "--transport", "mpi", "--progress",
                          progress, "--baseline", "--repetitions", "3"]))
+    ibverbs = ["--transport", "ibverbs", "--baseline"]
+    for pattern, modes in (("pingpong", ("loop", "poll", "thread")), ("pingping", ("loop",)),
+                           ("put", ("loop",)), ("get", ("loop", "poll"))):
+        for progress in modes:
+            runs.append(Run(f"ibverbs-{pattern}-{progress}",
+                            ["-m", "mate.bench", pattern, *ibverbs, "--progress", progress,
+                             *common]))
+    for progress in ("loop", "thread"):
+        runs.append(Run(f"ibverbs-wait-{progress}",
+                        ["-m", "mate.bench", "wait", *ibverbs, "--progress", progress,
+                         "--repetitions", "3"]))
     runs.append(Run("pingpong-tcp-loopback", ["-m", "mate.bench.tcp", *common]))
     return runs
 
@@ -153,11 +168,40 @@ def targets(results: dict[str, dict[str, Any]]) -> list[str]:
         cpu = wt["rows"][0]["cpu_percent"]
         lines.append(f"- mpi thread, a rank waiting 1 s for a message uses ≤ 5 % of a core: "
                      f"{_f(cpu)} % → {_check(cpu <= 5)}")
+    return lines + ibverbs_targets(results)
+
+
+def ibverbs_targets(results: dict[str, dict[str, Any]]) -> list[str]:
+    """SPEC §7's targets for the ibverbs transport on the software device."""
+    lines = []
     tcp = results.get("pingpong-tcp-loopback")
-    if tcp:
-        tcp_lat = (_row(tcp, LATENCY_SIZE) or {}).get("latency_us")
-        lines.append(f"- ibverbs soft device, 8 B pingpong ≤ asyncio TCP on loopback: n/a (no "
-                     f"ibverbs transport yet); the TCP figure of this run is {_f(tcp_lat)} µs")
+    tcp_lat = (_row(tcp, LATENCY_SIZE) or {}).get("latency_us") if tcp else None
+    for progress in ("poll", "loop"):
+        pp = results.get(f"ibverbs-pingpong-{progress}")
+        lat = (_row(pp, LATENCY_SIZE) or {}).get("latency_us") if pp else None
+        r = _ratio(lat, tcp_lat)
+        lines.append(f"- ibverbs {progress}, 8 B pingpong ≤ asyncio TCP streams on loopback: "
+                     f"{_f(lat)} µs vs {_f(tcp_lat)} µs = {_f(r, 2)}x → "
+                     f"{_check(None if r is None else r <= 1)}")
+    for name in ("pingpong-poll", "pingpong-loop", "get-poll", "get-loop"):
+        result = results.get(f"ibverbs-{name}")
+        bw = (_row(result, BANDWIDTH_SIZE) or {}) if result else {}
+        r = _ratio(bw.get("bandwidth_MBps"), bw.get("baseline_bandwidth_MBps"))
+        lines.append(f"- ibverbs {name.replace('-', ' ')}, 4 MiB bandwidth ≥ 0.5x raw MPI: "
+                     f"{_f(r, 2)}x → {_check(None if r is None else r >= 0.5)}")
+    for progress in ("thread", "loop"):
+        wait = results.get(f"ibverbs-wait-{progress}")
+        cpu = wait["rows"][0]["cpu_percent"] if wait else None
+        lines.append(f"- ibverbs {progress}, a rank waiting 1 s uses ≤ 2 % of a core: "
+                     f"{_f(cpu)} % → {_check(None if cpu is None else cpu <= 2)}")
+    for progress in ("poll", "loop"):
+        pp = results.get(f"ibverbs-pingpong-{progress}")
+        counted = (pp or {}).get("stats_by_size", {}).get(str(BANDWIDTH_SIZE), {})
+        hits, misses = counted.get("pin_hits", 0), counted.get("pin_misses", 0)
+        rate = hits / (hits + misses) if hits + misses else None
+        lines.append(f"- ibverbs {progress}, pin-cache hit rate ≥ 99 % in the 4 MiB pingpong: "
+                     f"{_f(rate and rate * 100, 2)} % ({hits} hits, {misses} misses) → "
+                     f"{_check(None if rate is None else rate >= 0.99)}")
     return lines
 
 

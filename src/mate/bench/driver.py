@@ -107,10 +107,16 @@ async def _lead(opts: Options, bench: MateBench, raw: RawBench | None, result: R
     sizes = opts.sweep
     bar = ProgressBar(len(sizes), f"{opts.pattern} {opts.transport}", opts.show_progress)
     print(format_head(result, raw is not None), flush=True)
+    # What rank 0's world counted while mate ran each size (world.stats(): messages,
+    # bytes, and the transport's own counters such as pin-cache hits), by size.
+    counted: dict[str, dict[str, int]] = result.extra.setdefault("stats_by_size", {})
     try:
         for i, size in enumerate(sizes):
             bar.update(i, f"{stats.format_size(size)} B mate")
+            before = bench.world.stats()
             mine = await _measure(opts, bench.batch(size), size)
+            after = bench.world.stats()
+            counted[str(size)] = {key: after[key] - before.get(key, 0) for key in after}
             await bench.end_phase(size)
             theirs = None
             if raw is not None:

@@ -90,6 +90,16 @@ def test_mpi(extra: list[str]) -> None:
     assert sum("order manager:" in line for line in lines) == 1
 
 
+@pytest.mark.parametrize("extra", [[], ["--progress", "thread", "--handlers", "progress"]],
+                         ids=["loop", "thread-handlers"])
+def test_ibverbs(extra: list[str]) -> None:
+    mate_run = Path(sys.executable).with_name("mate-run")
+    command = [str(mate_run), "-n", "3", "--transport", "ibverbs", sys.executable, str(SCRIPT),
+               "--transport", "ibverbs", *SMALL, *FAULTS, *extra]
+    code, lines = run(command, timeout=180)
+    check_verified(code, lines, faults=True)
+
+
 def test_deadline_gives_not_verified() -> None:
     command = [sys.executable, str(SCRIPT), "--prices", "100000", "--deadline", "0.5"]
     code, lines = run(command)

@@ -259,3 +259,14 @@ def test_script_with_faults_and_handlers_on_the_progress_thread(model: str) -> N
                                "progress", "--model", model, "-n", "10", "--deadline", "60",
                                "--faults", "drop=0.1,delay=0.1:0.1,fail=0.1",
                                launcher=MATE_RUN))
+
+
+@pytest.mark.parametrize("extra", [[], ["--progress", "thread", "--handlers", "progress"]],
+                         ids=["loop", "thread-handlers"])
+def test_script_under_mate_run_on_ibverbs(extra: list[str]) -> None:
+    launcher = [str(Path(sys.executable).with_name("mate-run")), "-n", "3", "--transport",
+                "ibverbs"]
+    last = assert_verified(run_script("--transport", "ibverbs", "-n", "9", *extra,
+                                      "--faults", "drop=0.05,delay=0.05,fail=0.05",
+                                      launcher=launcher))
+    assert "ibverbs, 3 ranks" in last

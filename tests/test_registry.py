@@ -45,6 +45,23 @@ def test_options_are_checked_with_their_defaults_filled_in() -> None:
             local.resolve(progress, handlers, {})
 
 
+def test_ibverbs_options() -> None:
+    ib = registry.TRANSPORTS["ibverbs"]
+    assert ib.resolve(None, "loop", {}) == {"progress": "loop", "device": None, "link": "unix",
+                                            "eager_size": 8192, "credits": 32,
+                                            "pin_limit": 256 * 2**20}
+    assert ib.resolve("thread", "progress", {"device": "soft", "link": "tcp"})["link"] == "tcp"
+    assert ib.launcher == "rendezvous" and ib.threaded_progress == ("thread",)
+    bad = [("manual", "loop", {}), ("poll", "progress", {}), (None, "loop", {"device": "mlx5"}),
+           (None, "loop", {"link": "udp"}), (None, "loop", {"credits": 1}),
+           (None, "loop", {"credits": 4097}), (None, "loop", {"credits": True}),
+           (None, "loop", {"eager_size": -1}), (None, "loop", {"pin_limit": 0}),
+           (None, "loop", {"rma": "native"})]
+    for progress, handlers, options in bad:
+        with pytest.raises(mate.InvalidArgument):
+            ib.resolve(progress, handlers, options)
+
+
 def test_the_transport_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for variable in registry.MPI_LAUNCHER_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
@@ -58,6 +75,11 @@ def test_the_transport_comes_from_the_environment(monkeypatch: pytest.MonkeyPatc
     assert cli.parse_args(["pingpong"]).transport == "local"
     monkeypatch.setenv("MATE_TRANSPORT", "mpi")
     assert cli.parse_args(["pingpong"]).transport == "mpi"
+    monkeypatch.delenv("PMI_RANK")
+    monkeypatch.delenv("MATE_TRANSPORT")
+    monkeypatch.setenv("MATE_RENDEZVOUS", "127.0.0.1:1")  # a rank started by mate-run
+    assert registry.choose(None).name == "ibverbs"
+    monkeypatch.delenv("MATE_RENDEZVOUS")
     monkeypatch.setenv("MATE_TRANSPORT", "carrier-pigeon")
     with pytest.raises(mate.InvalidArgument):
         registry.choose(None)

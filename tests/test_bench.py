@@ -93,8 +93,11 @@ def test_bad_sizes_are_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["pingpong", "--transport", "local", "--baseline"], "--baseline needs --transport mpi"),
-    (["pingpong", "--transport", "local", "--progress", "thread"], "mpi only"),
+    (["pingpong", "--transport", "local", "--baseline"], "--baseline needs a launched"),
+    (["pingpong", "--transport", "local", "--progress", "thread"], "launched transports"),
+    (["put", "--transport", "ibverbs", "--rma", "native"], "--transport mpi only"),
+    (["pingpong", "--transport", "ibverbs", "--progress", "manual"], "loop, poll, thread"),
+    (["pingpong", "--transport", "mpi", "--progress", "loop"], "poll, thread, manual"),
     (["get", "--transport", "mpi", "--wait", "submission"], "no submission"),
     (["pingpong", "--transport", "mpi", "--rma", "native"], "put and get"),
     (["pingpong", "--repetitions", "0"], "must be >= 1"),

@@ -7,16 +7,13 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from mate.transports.ibverbs import bootstrap
 
 
-async def _exchange_as(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
-                       blob: object) -> list[object]:
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    return await bootstrap.exchange(blob)
+async def _exchange_as(env: dict[str, str], blob: object) -> list[object]:
+    """One simulated rank's exchange, with mate-run's environment `env` (never this
+    process's: ranks run concurrently here)."""
+    return await bootstrap.exchange(blob, env)
 
 
 async def test_the_rendezvous_hands_every_rank_the_table_in_rank_order() -> None:
@@ -24,9 +21,7 @@ async def test_the_rendezvous_hands_every_rank_the_table_in_rank_order() -> None
     await server.start()
     try:
         async def rank(r: int) -> list[object]:
-            with pytest.MonkeyPatch.context() as mp:
-                # each task sets its env just before connecting; exchange reads it at once
-                return await _exchange_as(mp, server.environment(r), {"rank": r})
+            return await _exchange_as(server.environment(r), {"rank": r})
 
         tables = await asyncio.gather(rank(2), rank(0), rank(1))
     finally:
@@ -57,8 +52,7 @@ async def test_a_process_without_the_secret_is_refused_and_the_job_goes_on() -> 
         assert server.refused == 2
 
         async def rank(r: int) -> list[object]:
-            with pytest.MonkeyPatch.context() as mp:
-                return await _exchange_as(mp, server.environment(r), f"blob{r}")
+            return await _exchange_as(server.environment(r), f"blob{r}")
 
         tables = await asyncio.gather(rank(0), rank(1))
     finally:
@@ -70,22 +64,21 @@ async def test_a_rank_cannot_check_in_twice_in_one_round() -> None:
     server = bootstrap.Rendezvous(2)
     address = await server.start()
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            first = asyncio.ensure_future(_exchange_as(mp, server.environment(0), "a"))
-            await asyncio.sleep(0.2)
-            # an impostor who knows the secret, claiming rank 0's place in round 0
-            host, _, port = address.rpartition(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
-            challenge = json.loads(await reader.readline())["challenge"]
-            writer.write(json.dumps({"rank": 0, "round": 0, "blob": "again",
-                                     "proof": bootstrap._proof(server.secret, challenge)})
-                         .encode() + b"\n")
-            await writer.drain()
-            assert json.loads(await reader.readline()) == {"error": "refused"}
-            writer.close()
-            second = await _exchange_as(mp, server.environment(1), "b")
-            assert await first == second == ["a", "b"]
-            assert server.refused == 1
+        first = asyncio.ensure_future(_exchange_as(server.environment(0), "a"))
+        await asyncio.sleep(0.2)
+        # an impostor who knows the secret, claiming rank 0's place in round 0
+        host, _, port = address.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        challenge = json.loads(await reader.readline())["challenge"]
+        writer.write(json.dumps({"rank": 0, "round": 0, "blob": "again",
+                                 "proof": bootstrap._proof(server.secret, challenge)})
+                     .encode() + b"\n")
+        await writer.drain()
+        assert json.loads(await reader.readline()) == {"error": "refused"}
+        writer.close()
+        second = await _exchange_as(server.environment(1), "b")
+        assert await first == second == ["a", "b"]
+        assert server.refused == 1
     finally:
         await server.close()
 
@@ -95,18 +88,22 @@ async def test_successive_worlds_in_one_process_meet_in_successive_rounds() -> N
     await server.start()
     try:
         async def rank(r: int) -> list[list[object]]:
-            with pytest.MonkeyPatch.context() as mp:
-                tables = []
-                for world in range(3):
-                    tables.append(await _exchange_as(mp, server.environment(r), (world, r)))
-                    await asyncio.sleep(0.05 * r)  # rank 1 lags: rounds must not mix
-                return tables
+            tables = []
+            for world in range(3):
+                tables.append(await _exchange_as(server.environment(r), (world, r)))
+                await asyncio.sleep(0.05 * r)  # rank 1 lags: rounds must not mix
+            return tables
 
         zero, one = await asyncio.gather(rank(0), rank(1))
     finally:
         await server.close()
     assert zero == one == [[[w, 0], [w, 1]] for w in range(3)]
     assert server.refused == 0
+
+
+def test_this_process_is_left_alone() -> None:
+    """The tests above simulate ranks without touching this process's environment."""
+    assert not bootstrap.started_by_mate_run()
 
 
 def _mate_run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mate.errors import InvalidArgument
@@ -45,8 +45,8 @@ LINE_LIMIT = 1 << 20  # the longest frame a rendezvous accepts (bytes)
 _rounds: dict[tuple[str, int], int] = {}
 
 
-def started_by_mate_run() -> bool:
-    return RENDEZVOUS in os.environ
+def started_by_mate_run(environ: Mapping[str, str] | None = None) -> bool:
+    return RENDEZVOUS in (os.environ if environ is None else environ)
 
 
 def _proof(secret: str, challenge: str) -> str:
@@ -64,11 +64,13 @@ async def _read(reader: asyncio.StreamReader) -> Any:
     return json.loads(line)
 
 
-def rank_and_size() -> tuple[int, int]:
-    """This process's rank and the job's size, from mate-run's environment or MPI."""
-    if started_by_mate_run():
+def rank_and_size(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """This process's rank and the job's size, from mate-run's environment (`environ`,
+    by default this process's) or MPI."""
+    environ = os.environ if environ is None else environ
+    if started_by_mate_run(environ):
         try:
-            rank, size = int(os.environ[RANK]), int(os.environ[SIZE])
+            rank, size = int(environ[RANK]), int(environ[SIZE])
         except (KeyError, ValueError) as exc:
             raise InvalidArgument(f"mate-run's environment is incomplete: {exc}") from None
         return rank, size
@@ -88,13 +90,15 @@ def _mpi_world() -> Any:
     return MPI.COMM_WORLD
 
 
-async def exchange(blob: Any) -> list[Any]:
-    """Publish `blob` (JSON-able) and return every rank's, indexed by rank."""
-    if not started_by_mate_run():
+async def exchange(blob: Any, environ: Mapping[str, str] | None = None) -> list[Any]:
+    """Publish `blob` (JSON-able) and return every rank's, indexed by rank. `environ`
+    (by default this process's environment) says whether mate-run started the rank."""
+    environ = os.environ if environ is None else environ
+    if not started_by_mate_run(environ):
         table: list[Any] = await asyncio.to_thread(_mpi_world().allgather, blob)
         return table
-    rank, _ = rank_and_size()
-    address = os.environ[RENDEZVOUS]
+    rank, _ = rank_and_size(environ)
+    address = environ[RENDEZVOUS]
     round_ = _rounds.get((address, rank), 0)
     _rounds[address, rank] = round_ + 1
     host, _, port = address.rpartition(":")
@@ -102,7 +106,7 @@ async def exchange(blob: Any) -> list[Any]:
     try:
         challenge = (await _read(reader))["challenge"]
         writer.write(_frame({"rank": rank, "round": round_,
-                             "proof": _proof(os.environ[SECRET], challenge), "blob": blob}))
+                             "proof": _proof(environ[SECRET], challenge), "blob": blob}))
         await writer.drain()
         reply = await _read(reader)
     finally:

@@ -130,6 +130,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from typing import Final, Protocol
 
 from mate.transports.ibverbs import soft_link
@@ -1439,30 +1440,20 @@ class SoftDevice(Device):
         hello = self._hello(qp, remote)
         if (self.address, qp.qp_num) < (remote.address, remote.qp_num):
             sock = soft_link.dial(remote.address, deadline)
-            try:
+            with _handshake(sock, qp):
                 sock.settimeout(max(deadline - _monotonic(), 0.01))
                 soft_link.send_hello(sock, hello)
                 peer = soft_link.recv_hello(sock)
                 problem = peer.error or self._mismatch(peer, qp, remote)
                 if problem:
                     raise VerbsError(f"connecting QP {qp.qp_num}: {problem}")
-            except BaseException as exc:
-                close_quietly(sock)
-                if isinstance(exc, OSError):
-                    raise VerbsError(f"connecting QP {qp.qp_num}: {exc}") from exc
-                raise
         else:
             sock, peer = self._await_dialer(qp, remote, deadline)
-            try:
+            with _handshake(sock, qp):
                 problem = self._mismatch(peer, qp, remote)
                 soft_link.send_hello(sock, hello._replace(error=problem))
                 if problem:
                     raise VerbsError(f"connecting QP {qp.qp_num}: {problem}")
-            except BaseException as exc:
-                close_quietly(sock)
-                if isinstance(exc, OSError):
-                    raise VerbsError(f"connecting QP {qp.qp_num}: {exc}") from exc
-                raise
         try:
             direct = self._direct_to(peer, sock)
             sock.setblocking(False)
@@ -1583,3 +1574,16 @@ def open_device(*, link: str = "unix", host: str = "127.0.0.1", rnr_retry: int =
     """
     return SoftDevice(link=link, host=host, rnr_retry=rnr_retry, rnr_timer=rnr_timer,
                       one_sided=one_sided)
+
+
+@contextlib.contextmanager
+def _handshake(sock: socket.socket, qp: SoftQP) -> Iterator[None]:
+    """A connection's handshake: on any error the socket is closed, and a socket error
+    becomes a VerbsError naming the QP."""
+    try:
+        yield
+    except BaseException as exc:
+        close_quietly(sock)
+        if isinstance(exc, OSError):
+            raise VerbsError(f"connecting QP {qp.qp_num}: {exc}") from exc
+        raise

@@ -19,6 +19,7 @@ from mate import Event, FailureReason, Schedule, State
 from mate.faults import FaultPlan, FaultyTransport, inject
 
 SLACK = 0.1
+SKEW = 0.01  # how much later one rank may leave a barrier than another
 
 
 def ring(world: mate.World) -> tuple[int, int, int]:
@@ -89,19 +90,22 @@ async def test_delayed_send_arrives_late_submitted_first(fabric: Fabric) -> None
 
     async def program(world: mate.World) -> None:
         me, right, left = ring(world)
+        # `start` is this rank's clock, the delay runs from the sender's post: meet
+        # first, so that the two differ by one message's latency at most (SKEW).
+        await barrier(world)
+        start = time.monotonic()
         inject(world, FaultPlan(delay=1.0, delay_seconds=delay))
         events: list[Event] = []
         note = lambda r, d: events.append(r.event)  # noqa: E731
         payload = bytearray(f"from {me}".encode())
         inbox = bytearray(16)
         recv = world.recv(inbox, left, tag=3, timeout=5)
-        start = time.monotonic()
         send = world.send(payload, right, tag=3, timeout=5,
                           schedule=Schedule(submission=note, completion=note))
         await send.submitted  # type: ignore[misc]
         payload[:] = bytes(len(payload))  # the copy left already: the buffer is free
         receipt = await recv
-        assert time.monotonic() - start >= delay
+        assert time.monotonic() - start >= delay - SKEW
         assert bytes(inbox[:receipt.length]) == f"from {left}".encode()
         await send
         await asyncio.sleep(0.01)  # handlers run "eventually"

@@ -60,17 +60,17 @@ async def test_a_process_without_the_secret_is_refused_and_the_job_goes_on() -> 
     assert tables == [["blob0", "blob1"]] * 2  # the forged blob never got in
 
 
-async def test_a_rank_cannot_check_in_twice_in_one_round() -> None:
+async def test_a_rank_cannot_check_in_twice_for_one_world() -> None:
     server = bootstrap.Rendezvous(2)
     address = await server.start()
     try:
         first = asyncio.ensure_future(_exchange_as(server.environment(0), "a"))
         await asyncio.sleep(0.2)
-        # an impostor who knows the secret, claiming rank 0's place in round 0
+        # an impostor who knows the secret, claiming rank 0's place while rank 0 waits
         host, _, port = address.rpartition(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         challenge = json.loads(await reader.readline())["challenge"]
-        writer.write(json.dumps({"rank": 0, "round": 0, "blob": "again",
+        writer.write(json.dumps({"rank": 0, "blob": "again",
                                  "proof": bootstrap._proof(server.secret, challenge)})
                      .encode() + b"\n")
         await writer.drain()
@@ -83,7 +83,7 @@ async def test_a_rank_cannot_check_in_twice_in_one_round() -> None:
         await server.close()
 
 
-async def test_successive_worlds_in_one_process_meet_in_successive_rounds() -> None:
+async def test_successive_worlds_in_one_process_meet_afresh() -> None:
     server = bootstrap.Rendezvous(2)
     await server.start()
     try:
@@ -91,7 +91,7 @@ async def test_successive_worlds_in_one_process_meet_in_successive_rounds() -> N
             tables = []
             for world in range(3):
                 tables.append(await _exchange_as(server.environment(r), (world, r)))
-                await asyncio.sleep(0.05 * r)  # rank 1 lags: rounds must not mix
+                await asyncio.sleep(0.05 * r)  # rank 1 lags: worlds must not mix
             return tables
 
         zero, one = await asyncio.gather(rank(0), rank(1))

@@ -14,9 +14,11 @@ rank order. Two ways to do that exchange:
   rendezvous waits on for the real rank. Once all ranks have checked in, each
   gets the table.
 
-A process may open several worlds in turn (a test module does): its k-th
-exchange joins the rendezvous's round k, so every world's ranks meet their
-own peers, as successive ``allgather`` calls would.
+A process may open several worlds in turn (a test module does): once a
+table is served the rendezvous starts afresh, so every world's ranks meet
+their own peers, as successive ``allgather`` calls would. (No rank can check
+in for the next world before every rank checked in for this one: it waits
+for this one's table.)
 
 Frames on the rendezvous socket are one JSON object per line.
 """
@@ -41,8 +43,6 @@ logger = logging.getLogger("mate")
 RANK, SIZE, RENDEZVOUS, SECRET = "MATE_RANK", "MATE_SIZE", "MATE_RENDEZVOUS", "MATE_SECRET"
 LINE_LIMIT = 1 << 20  # the longest frame a rendezvous accepts (bytes)
 
-# Exchanges made so far through each rendezvous, by (its address, our rank).
-_rounds: dict[tuple[str, int], int] = {}
 
 
 def started_by_mate_run(environ: Mapping[str, str] | None = None) -> bool:
@@ -99,13 +99,11 @@ async def exchange(blob: Any, environ: Mapping[str, str] | None = None) -> list[
         return table
     rank, _ = rank_and_size(environ)
     address = environ[RENDEZVOUS]
-    round_ = _rounds.get((address, rank), 0)
-    _rounds[address, rank] = round_ + 1
     host, _, port = address.rpartition(":")
     reader, writer = await asyncio.open_connection(host, int(port), limit=LINE_LIMIT)
     try:
         challenge = (await _read(reader))["challenge"]
-        writer.write(_frame({"rank": rank, "round": round_,
+        writer.write(_frame({"rank": rank,
                              "proof": _proof(environ[SECRET], challenge), "blob": blob}))
         await writer.drain()
         reply = await _read(reader)
@@ -120,14 +118,14 @@ async def exchange(blob: Any, environ: Mapping[str, str] | None = None) -> list[
 
 
 class Rendezvous:
-    """The server side, run by mate-run: per round, collect `size` blobs, then serve the table."""
+    """The server side, run by mate-run: collect `size` blobs, serve the table, start afresh."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.secret = secrets.token_hex(32)
         self.refused = 0  # connections that did not prove the secret (for tests and logs)
-        # round -> rank -> (blob, the connection waiting for the table)
-        self._rounds: dict[int, dict[int, tuple[Any, asyncio.StreamWriter]]] = {}
+        # rank -> (blob, the connection waiting for the table), for the world forming now
+        self._members: dict[int, tuple[Any, asyncio.StreamWriter]] = {}
         self._server: asyncio.base_events.Server | None = None
         self.address = ""
 
@@ -146,13 +144,11 @@ class Rendezvous:
         try:
             writer.write(_frame({"challenge": challenge}))
             hello = await asyncio.wait_for(_read(reader), 30)
-            rank, round_ = hello["rank"], hello["round"]
+            rank = hello["rank"]
             proof = str(hello["proof"])
             if not hmac.compare_digest(proof, _proof(self.secret, challenge)):
                 raise PermissionError("wrong secret")
-            if not (isinstance(round_, int) and round_ >= 0):
-                raise PermissionError(f"bad round {round_!r}")
-            members = self._rounds.setdefault(round_, {})
+            members = self._members
             if not (isinstance(rank, int) and 0 <= rank < self.size) or rank in members:
                 raise PermissionError(f"bad or repeated rank {rank!r}")
         except (PermissionError, KeyError, TypeError, ValueError, ConnectionError,
@@ -166,7 +162,7 @@ class Rendezvous:
             return
         members[rank] = (hello["blob"], writer)
         if len(members) == self.size:
-            del self._rounds[round_]
+            self._members = {}
             table = _frame({"table": [members[r][0] for r in range(self.size)]})
             for _, waiting in members.values():
                 with contextlib.suppress(ConnectionError):
@@ -178,10 +174,9 @@ class Rendezvous:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-        for members in self._rounds.values():
-            for _, writer in members.values():
-                writer.close()
-        self._rounds.clear()
+        for _, writer in self._members.values():
+            writer.close()
+        self._members = {}
 
 
 def table_of(endpoints: Sequence[Any]) -> list[list[Any]]:

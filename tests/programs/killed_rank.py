@@ -91,7 +91,7 @@ async def survivor(world: mate.World) -> None:
     if world.mypid == 0:
         await world.recv(bytearray(3), VICTIM, tag=8)
     goodbye = time.monotonic()
-    done, pending = await asyncio.wait([asyncio.ensure_future(_end(m)) for m in msgs],
+    _done, pending = await asyncio.wait([asyncio.ensure_future(_end(m)) for m in msgs],
                                        timeout=BOUND)
     took = time.monotonic() - goodbye
     assert not pending, f"{len(pending)} of {len(msgs)} messages to the dead rank still open"

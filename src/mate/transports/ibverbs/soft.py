@@ -929,9 +929,10 @@ class SoftQP(QueuePair):
             if n < asked or budget <= 0:
                 break  # a short read: the socket is (almost surely) drained; epoll says if not
         if self._ack_due and self._state is _RTS:
-            # At once, as an HCA does. Holding it for a reply to carry was measured slower:
-            # a timer per message costs more than the frame, and the requester woken by
-            # the ACK is awake when the reply comes.
+            # At once, as an HCA does. Holding it for a reply to carry was measured slower,
+            # with a timer and without one (held to the end of the loop's turn): the
+            # requester woken by the ACK is still awake when the reply comes, where one
+            # that slept through the peer's whole turn wakes much later (docs/ibverbs.md).
             self._respond(_F_ACK, 0, self._ack_seq)
         if self._waiting:  # answers may have unblocked requests (RNR ends by the timer)
             self._pump()

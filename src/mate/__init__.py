@@ -11,6 +11,7 @@ from collections.abc import Generator
 from types import TracebackType
 from typing import Any
 
+import mate.native  # noqa: F401 (first: it decides whether compiled modules are used)
 from mate import arguments, local
 from mate.constants import ANY_SOURCE, ANY_TAG, PROC_MAX, UNSET
 from mate.errors import FailureReason, InvalidArgument, MateError, MessageFailed, MessageTimeout

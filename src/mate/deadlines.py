@@ -129,7 +129,7 @@ class ThreadDeadlines(Deadlines):
     def __init__(self, expire: Callable[[Message], None]) -> None:
         super().__init__(expire)
         self._wake = threading.Condition(threading.Lock())
-        self._thread: threading.Thread | None = None
+        self._timer_thread: threading.Thread | None = None
         self._closed = False
 
     def arm(self, msg: Message, deadline: float) -> None:
@@ -137,10 +137,10 @@ class ThreadDeadlines(Deadlines):
             if self._closed:
                 return
             heapq.heappush(self._heap, (deadline, next(self._order), msg))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="mate-timeouts",
+            if self._timer_thread is None:
+                self._timer_thread = threading.Thread(target=self._run, name="mate-timeouts",
                                                 daemon=True)
-                self._thread.start()
+                self._timer_thread.start()
             elif self._heap[0][2] is msg:  # a new earliest deadline: wait less
                 self._wake.notify()
 
@@ -170,6 +170,6 @@ class ThreadDeadlines(Deadlines):
             self._closed = True
             self._heap.clear()
             self._wake.notify()
-            thread = self._thread
+            thread = self._timer_thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()

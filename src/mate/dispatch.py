@@ -41,13 +41,13 @@ class Dispatcher:
     def __init__(self, loop: asyncio.AbstractEventLoop, mode: str, entry: EntryQueue) -> None:
         self._loop = loop
         self._entry = entry
-        self._inline = mode == "progress"
+        self._run_at_once = mode == "progress"
         self._serial = threading.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
 
     def dispatch(self, handler: Handler, receipt: Receipt, data: Any) -> None:
-        if self._inline:
+        if self._run_at_once:
             with self._serial:
                 self._run(handler, receipt, data)
         else:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mate
-from mate import registry
+from mate import native, registry
 from mate.bench import stats
 from mate.bench.measure import Batch, Measurement, measure
 from mate.bench.patterns import DIVISOR, MateBench, RawBench
@@ -64,6 +64,7 @@ def _metadata(opts: Options) -> dict[str, Any]:
         "repetitions": opts.repetitions,
         "min_time_s": opts.min_time,
         "statistic": "median of repetitions; cpu_percent over all repetitions, rank 0",
+        "compiled_modules": native.compiled(),  # mypyc (mate.native); [] when pure Python
     }
     if opts.pattern == "wait":
         extra["idle_s"] = opts.idle

@@ -53,6 +53,8 @@ import abc
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from mypy_extensions import mypyc_attr
+
 from mate.errors import FailureReason, MessageFailed
 from mate.machine import Input
 from mate.schedule import Op, Region
@@ -141,6 +143,7 @@ class Sink(Protocol):
         """Run `fn(*args)` on the event loop's thread: now if there, else soon."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # this module is compiled (mate.native)
 class Transport(abc.ABC):
     """One rank's end of the wire."""
 

@@ -154,11 +154,11 @@ class ThreadProgress(Progress):
         super().__init__(loop, fd, run_pass, deliver)
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="mate-ibverbs-progress",
+        self._worker = threading.Thread(target=self._run, name="mate-ibverbs-progress",
                                         daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        self._worker.start()
 
     def kick(self) -> None:
         os.eventfd_write(self._wake, 1)
@@ -178,6 +178,6 @@ class ThreadProgress(Progress):
     def stop(self) -> None:
         self._stopping = True
         self.kick()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+        if self._worker.is_alive() and self._worker is not threading.current_thread():
+            self._worker.join()
         os.close(self._wake)

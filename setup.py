@@ -1,0 +1,80 @@
+"""mate's build: pyproject.toml holds the metadata; this adds the compiled modules.
+
+The modules of `mate.native.COMPILED` (the per-message path) are compiled to
+C with mypyc, and the SHA-256 of each source compiled is recorded beside them
+(`mate.native` loads the sources instead if one changes later). Pure Python
+is installed instead when ``MATE_COMPILE=0``, or when there is no C compiler,
+with a note saying so; every module works either way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+SRC = ROOT / "src"
+
+
+def _native():  # mate.native, loaded alone: importing the package would need the build
+    spec = importlib.util.spec_from_file_location("_mate_native", SRC / "mate" / "native.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    return shutil.which(cc.split()[0])
+
+
+class BuildPy(build_py):
+    """An editable install starts from a source tree with nothing compiled in it, so
+    that no module compiled by an earlier build (or no longer compiled) lingers."""
+
+    def run(self) -> None:
+        if getattr(self, "editable_mode", False):
+            for old in [*SRC.glob("mate/**/*.so"), *SRC.glob("mate__mypyc*"),
+                        SRC / "mate" / _native().RECORD]:
+                old.unlink(missing_ok=True)
+        super().run()
+
+
+class BuildExt(build_ext):
+    """build_ext, then the record of what was compiled, beside the package's modules."""
+
+    def run(self) -> None:
+        super().run()
+        if not self.extensions:
+            return
+        native = _native()
+        package = Path(self.get_ext_fullpath("mate.native")).parent
+        package.mkdir(parents=True, exist_ok=True)
+        (package / native.RECORD).write_text(
+            json.dumps(native.record(SRC / "mate"), indent=1, sort_keys=True) + "\n")
+
+
+def extensions() -> list:
+    if os.environ.get("MATE_COMPILE", "1") == "0":
+        print("mate: MATE_COMPILE=0: installing pure Python", file=sys.stderr)
+        return []
+    if _compiler() is None:
+        print("mate: no C compiler found: installing pure Python", file=sys.stderr)
+        return []
+    from mypyc.build import mypycify
+
+    native = _native()
+    paths = [str(native.source_of(m, Path("src/mate"))) for m in native.COMPILED]
+    return mypycify(paths, opt_level="3", group_name="mate")
+
+
+setup(ext_modules=extensions(), cmdclass={"build_py": BuildPy, "build_ext": BuildExt})

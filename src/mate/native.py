@@ -1,0 +1,130 @@
+"""Which of mate's modules run compiled, and the guard that keeps a stale one out.
+
+The per-message path -- the core's message, matching, deadlines, handler
+dispatch and loop entry, the transport contract, and the ibverbs
+transport's engine, wire format, soft device, transport,
+progress and pin cache -- is compiled to C with mypyc when mate is
+installed (setup.py; ``MATE_COMPILE=0`` installs pure Python, as does a build
+with no C compiler). The code is the same: each compiled module is its own
+source, type-checked by mypy --strict, and runs as Python wherever it is not
+compiled. `mate.world` stays Python: compiled, its public calls would refuse
+arguments of the wrong type with a TypeError at the call boundary, before
+`mate.arguments` can answer InvalidArgument, and its reads of a `Transport`'s
+class attributes would miss a Python subclass's overrides.
+
+The build records each compiled source's SHA-256 in ``_native.json`` beside
+this file. Importing this module (``mate/__init__`` does it first) puts a
+finder in front of the import system that loads every compiled module from
+its source instead:
+
+* when ``MATE_PURE_PYTHON`` is set (to run or test the pure-Python path), or
+* when a source no longer matches what was compiled (an editable install
+  after an edit), with a warning naming the changed files.
+
+It is all or nothing: compiled modules call each other directly, so a mix of
+compiled and source versions of one group would hold two copies of a class.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+
+#: The modules setup.py compiles (import names). Their attributes avoid the names
+#: `_thread` and `_inline`, which mypyc 2.4 emits as C keywords.
+COMPILED = (
+    "mate.deadlines",
+    "mate.dispatch",
+    "mate.entry",
+    "mate.matching",
+    "mate.message",
+    "mate.transports.base",
+    "mate.transports.ibverbs.engine",
+    "mate.transports.ibverbs.pincache",
+    "mate.transports.ibverbs.progress",
+    "mate.transports.ibverbs.soft",
+    "mate.transports.ibverbs.transport",
+    "mate.transports.ibverbs.wire",
+)
+RECORD = "_native.json"  # beside this file: {module: sha256 of the source compiled}
+PURE_VARIABLE = "MATE_PURE_PYTHON"
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def source_of(module: str, package: Path = _PACKAGE) -> Path:
+    """The source file of `module` (a name in `COMPILED`) under the package `mate`."""
+    return package.joinpath(*module.split(".")[1:]).with_suffix(".py")
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def record(package: Path) -> dict[str, str]:
+    """The hashes the build records for the sources under `package` (setup.py)."""
+    return {module: digest(source_of(module, package)) for module in COMPILED}
+
+
+def changed(recorded: Mapping[str, str], package: Path = _PACKAGE) -> list[str]:
+    """The compiled modules whose source differs from the one compiled."""
+    out = []
+    for module, sha in recorded.items():
+        source = source_of(module, package)
+        if not source.exists() or digest(source) != sha:
+            out.append(module)
+    return out
+
+
+def _recorded(package: Path = _PACKAGE) -> dict[str, str]:
+    try:
+        data = json.loads((package / RECORD).read_text())
+    except (OSError, ValueError):
+        return {}  # not compiled (pure install, or no compiler at build time)
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder):
+    """Finds the compiled modules' sources ahead of their extension modules."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in COMPILED:
+            return None
+        source = source_of(fullname)
+        return importlib.util.spec_from_file_location(fullname, source)
+
+
+def _install() -> None:
+    """Load sources instead of compiled modules if asked to or if any is stale."""
+    recorded = _recorded()
+    if os.environ.get(PURE_VARIABLE):
+        reason = None
+    elif recorded and (stale := changed(recorded)):
+        reason = (f"mate: {', '.join(stale)} changed since it was compiled: running every "
+                  f"compiled module from its source (reinstall to compile again)")
+    else:
+        return
+    if any(module in sys.modules for module in COMPILED):
+        return  # too late to switch (mate was imported before this ran)
+    sys.meta_path.insert(0, _SourceFinder())
+    if reason is not None:
+        warnings.warn(reason, RuntimeWarning, stacklevel=2)
+
+
+_install()
+
+
+def compiled() -> list[str]:
+    """The modules of `COMPILED` that run compiled in this process (importing them)."""
+    return [name for name in COMPILED
+            if not str(importlib.import_module(name).__file__).endswith(".py")]

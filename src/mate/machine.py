@@ -41,14 +41,13 @@ message's state and applies the table, `mate.world` carries out the outputs.
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
 from typing import NamedTuple
 
-from mate.schedule import Event, State
+from mate.schedule import Event, IdentityEnum, State
 
 
-class Input(enum.Enum):
+class Input(IdentityEnum):
     SUBMITTED = "submitted"  # transport: the local buffer is no longer read
     COMPLETED = "completed"  # transport
     FAILED = "failed"  # transport
@@ -58,7 +57,7 @@ class Input(enum.Enum):
     SHUTDOWN = "shutdown"  # core: the world is shutting down
 
 
-class Pending(enum.Enum):
+class Pending(IdentityEnum):
     """An outcome that was asked for and awaits the transport's answer."""
 
     NONE = "none"

@@ -17,7 +17,14 @@ import attrs
 Handler = Callable[["Receipt", Any], Any]
 
 
-class Op(enum.Enum):
+class IdentityEnum(enum.Enum):
+    """An enum whose members hash by identity, as they compare: dict and set lookups
+    on the per-message path then call no Python code (`Enum.__hash__` does)."""
+
+    __hash__ = object.__hash__
+
+
+class Op(IdentityEnum):
     """The four communication calls."""
 
     SEND = "send"
@@ -26,7 +33,7 @@ class Op(enum.Enum):
     GET = "get"
 
 
-class Event(enum.Enum):
+class Event(IdentityEnum):
     """A change in a message's progress that a schedule can handle."""
 
     SUBMISSION = "submission"  # the local buffer may be reused (send, put)
@@ -35,7 +42,7 @@ class Event(enum.Enum):
     FAILURE = "failure"
 
 
-class State(enum.Enum):
+class State(IdentityEnum):
     """Where a message is in its life; the last four are terminal."""
 
     POSTED = "posted"
@@ -45,9 +52,10 @@ class State(enum.Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
 
-    @property
-    def terminal(self) -> bool:
-        return self not in (State.POSTED, State.SUBMITTED)
+    terminal: bool  # a plain attribute: the core reads it several times per message
+
+    def __init__(self, value: str) -> None:
+        self.terminal = value not in ("posted", "submitted")
 
 
 def _handler(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -258,7 +258,6 @@ class SoftChannel(CompletionChannel):
         self._device = device
         self._events: collections.deque[SoftCQ] = collections.deque()
         self._signalled = False
-        self._drained = False  # the events of the last service were all handed over
         self._epoll = select.epoll()
         try:
             self._evfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -276,18 +275,11 @@ class SoftChannel(CompletionChannel):
         with device._lock:
             events = self._events
             if not events:  # else the device's work can wait for the next call
-                if self._drained:
-                    # The caller has taken every event the last service raised. That
-                    # service read the sockets dry, and whatever came since keeps the
-                    # descriptor readable: end the caller's drain without another one.
-                    self._drained = False
-                    return None
                 device._service()
             cq = None
             if events:
                 cq = events.popleft()
                 cq._unacked_events += 1
-                self._drained = not events
                 if not events and self._signalled:
                     self._signalled = False
                     with contextlib.suppress(BlockingIOError):

@@ -25,11 +25,14 @@ ROOT = Path(__file__).resolve().parent
 SRC = ROOT / "src"
 
 
-def _native():  # mate.native, loaded alone: importing the package would need the build
+def _load_native():  # mate.native alone: importing the package would need the build
     spec = importlib.util.spec_from_file_location("_mate_native", SRC / "mate" / "native.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+NATIVE = _load_native()
 
 
 def _compiler() -> str | None:
@@ -44,7 +47,7 @@ class BuildPy(build_py):
     def run(self) -> None:
         if getattr(self, "editable_mode", False):
             for old in [*SRC.glob("mate/**/*.so"), *SRC.glob("mate__mypyc*"),
-                        SRC / "mate" / _native().RECORD]:
+                        SRC / "mate" / NATIVE.RECORD]:
                 old.unlink(missing_ok=True)
         super().run()
 
@@ -56,11 +59,9 @@ class BuildExt(build_ext):
         super().run()
         if not self.extensions:
             return
-        native = _native()
-        package = Path(self.get_ext_fullpath("mate.native")).parent
-        package.mkdir(parents=True, exist_ok=True)
-        (package / native.RECORD).write_text(
-            json.dumps(native.record(SRC / "mate"), indent=1, sort_keys=True) + "\n")
+        package = Path(self.get_ext_fullpath("mate.native")).parent  # where they were built
+        (package / NATIVE.RECORD).write_text(
+            json.dumps(NATIVE.record(SRC / "mate"), indent=1, sort_keys=True) + "\n")
 
 
 def extensions() -> list:
@@ -72,8 +73,7 @@ def extensions() -> list:
         return []
     from mypyc.build import mypycify
 
-    native = _native()
-    paths = [str(native.source_of(m, Path("src/mate"))) for m in native.COMPILED]
+    paths = [str(NATIVE.source_of(m, Path("src/mate"))) for m in NATIVE.COMPILED]
     return mypycify(paths, opt_level="3", group_name="mate")
 
 

@@ -137,7 +137,7 @@ async def test_reports_from_another_thread_hop_once_and_a_bad_one_fails_alone() 
         batch = [Report(Input.SUBMITTED, recv),  # a recv is never submitted: a bug
                  Report(Input.SUBMITTED, send),
                  Report(Input.COMPLETED, send, 4, 1, 3)]
-        thread = threading.Thread(target=world.report_all, args=(batch,))
+        thread = threading.Thread(target=world.sink.report_all, args=(batch,))
         thread.start()
         thread.join()
         with pytest.raises(mate.MessageFailed) as failure:

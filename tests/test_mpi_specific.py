@@ -97,9 +97,9 @@ async def test_mpi_errors_become_failure_events(fabric: Fabric) -> None:
             from mate.message import Message
             from mate.schedule import Op, Schedule
 
-            bad = Message(world, Op.SEND, memoryview(b"x"), world.numprocs + 5, 0, 0,
+            bad = Message(world._ledger, Op.SEND, memoryview(b"x"), world.numprocs + 5, 0, 0,
                           Schedule())
-            world._outstanding.add(bad)
+            world._ledger._outstanding.add(bad)
             world._transport.post(bad)  # type: ignore[union-attr]
             with pytest.raises(mate.MessageFailed) as info:
                 await bad

@@ -10,6 +10,7 @@ handlers, resolve the awaitable) with a recording fake transport.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 
 import pytest
@@ -17,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mate
+from mate.ledger import Ledger
 from mate.machine import TABLE, Input, Pending, ProtocolError, Step, transition
 from mate.message import Message
 from mate.schedule import Event, Op, Region, Schedule, State
@@ -183,9 +185,17 @@ def test_shutdown_cancels_silently(origin: bool, state: State, pending: Pending)
 # -- the same, through Message.apply ---------------------------------------------------
 
 
+@functools.cache
+def idle_ledger() -> Ledger:
+    """A ledger whose loop never runs: apply() never touches it."""
+    loop = asyncio.new_event_loop()
+    loop.close()
+    return Ledger(loop, "loop")
+
+
 def make_message(op: Op = Op.SEND) -> Message:
-    # apply() never touches the world; receipts are not asked for here.
-    return Message(None, op, memoryview(bytearray(4)), 1, 0, 0, Schedule())  # type: ignore[arg-type]
+    # Receipts are not asked for here.
+    return Message(idle_ledger(), op, memoryview(bytearray(4)), 1, 0, 0, Schedule())
 
 
 def test_message_apply_h11_style() -> None:
@@ -326,7 +336,7 @@ class Recorder:
 async def fake_world(**kwargs: object) -> tuple[World, FakeTransport]:
     world = World(asyncio.get_running_loop(), default_timeout=1.0, handlers="loop")
     transport = FakeTransport()
-    transport.bind(world)
+    transport.bind(world.sink)
     world.attach(transport)
     return world, transport
 
@@ -345,7 +355,7 @@ async def test_world_cancel_asks_once_and_ends_silently() -> None:
     assert msg.cancel() is True  # still live: a request, not an outcome
     assert transport.cancels == [msg]  # asked once
     assert msg.state is State.POSTED
-    world.cancelled(msg)
+    world.sink.cancelled(msg)
     assert msg.state is State.CANCELLED
     assert msg.cancel() is False
     await flush()
@@ -364,7 +374,7 @@ async def test_world_timeout_then_cancelled_times_out() -> None:
     assert msg.state is State.POSTED
     msg.cancel()  # the first request (the timeout) wins
     assert transport.cancels == [msg]
-    world.cancelled(msg)
+    world.sink.cancelled(msg)
     await flush()
     assert msg.state is State.TIMED_OUT
     assert rec.events == [Event.TIMEOUT]
@@ -380,7 +390,7 @@ async def test_world_match_beats_pending_cancel() -> None:
     rec = Recorder()
     msg = world.send(b"abcd", 1, 3, schedule=rec.schedule, timeout=None)
     msg.cancel()
-    world.completed(msg, 4, 1, 3)
+    world.sink.completed(msg, 4, 1, 3)
     await flush()
     assert msg.state is State.COMPLETED
     assert rec.events == [Event.SUBMISSION, Event.COMPLETION]
@@ -388,7 +398,7 @@ async def test_world_match_beats_pending_cancel() -> None:
     assert (receipt.event, receipt.length, receipt.remote_pid, receipt.tag) == (
         Event.COMPLETION, 4, 1, 3)
     assert (await msg.submitted).event is Event.SUBMISSION  # type: ignore[union-attr]
-    world.cancelled(msg)  # a late answer is ignored once terminal
+    world.sink.cancelled(msg)  # a late answer is ignored once terminal
     await flush()
     assert msg.state is State.COMPLETED and len(rec.calls) == 2
     await world.shutdown()
@@ -409,13 +419,13 @@ async def test_world_protocol_errors_reach_the_transport() -> None:
     world, _ = await fake_world()
     recv = world.recv(bytearray(4), timeout=None)
     with pytest.raises(ProtocolError):
-        world.submitted(recv)
+        world.sink.submitted(recv)
     with pytest.raises(ProtocolError):
-        world.cancelled(recv)
+        world.sink.cancelled(recv)
     send = world.send(b"x", 1, timeout=None)
-    world.submitted(send)
+    world.sink.submitted(send)
     with pytest.raises(ProtocolError):
-        world.submitted(send)
+        world.sink.submitted(send)
     assert recv.state is State.POSTED and send.state is State.SUBMITTED
     await world.shutdown()
 
@@ -425,13 +435,13 @@ async def test_world_shutdown_cancels_without_events_or_asking() -> None:
     rec = Recorder()
     send = world.send(b"abcd", 1, schedule=rec.schedule, timeout=10.0)
     recv = world.recv(bytearray(4), schedule=rec.schedule, timeout=None)
-    world.submitted(send)
+    world.sink.submitted(send)
     await flush()
     assert rec.events == [Event.SUBMISSION]
     await world.shutdown()
     assert (send.state, recv.state) == (State.CANCELLED, State.CANCELLED)
     assert transport.cancels == []
-    world.completed(recv, 4, 1, 0)  # too late: ignored
+    world.sink.completed(recv, 4, 1, 0)  # too late: ignored
     await flush()
     assert rec.events == [Event.SUBMISSION]
     for msg in (send, recv):
@@ -445,7 +455,7 @@ async def test_world_failure_event() -> None:
     world, _ = await fake_world()
     rec = Recorder()
     msg = world.recv(bytearray(2), schedule=rec.schedule, timeout=None)
-    world.failed(msg, mate.FailureReason.TRUNCATED, "too long", length=2, peer=1, tag=5)
+    world.sink.failed(msg, mate.FailureReason.TRUNCATED, "too long", length=2, peer=1, tag=5)
     await flush()
     assert rec.events == [Event.FAILURE]
     receipt = rec.calls[0][1]

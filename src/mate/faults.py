@@ -315,6 +315,6 @@ class FaultyTransport(Transport):
 
 def inject(world: World, plan: FaultPlan) -> FaultyTransport:
     """Put a fault-injecting wire between `world` and its transport; return it."""
-    faulty = FaultyTransport(world.transport, world, plan)
+    faulty = FaultyTransport(world.transport, world.sink, plan)
     world.interpose(faulty)
     return faulty

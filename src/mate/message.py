@@ -3,13 +3,14 @@
 A `Message` is what the user holds; to its transport it is an `Operation`
 (`mate.transports.base`), the fields the wire needs. Its state changes only by
 `apply`, which looks the input up in the pure state machine of
-`mate.machine`; the world calls it under its lock and carries out the outputs.
+`mate.machine`; the ledger (`mate.ledger`) calls it under its lock and carries
+out the outputs.
 
 The handle owns its awaiters: one future per awaiting task (so that
 cancelling one task never cancels another's await), registered by `waiter`
-and detached by `take_waiters`, both under the world's lock, so that no
+and detached by `take_waiters`, both under the ledger's lock, so that no
 wake-up is lost between a task's look at the state and its registration; the
-world wakes them on the loop's thread.
+ledger wakes them on the loop's thread.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from mate.schedule import Event, Op, Receipt, Schedule, State
 from mate.transports.base import Operation
 
 if TYPE_CHECKING:
-    from mate.world import World
+    from mate.ledger import Ledger
 
 _ORIGIN_OPS = (Op.SEND, Op.PUT)
 Waiters = list[asyncio.Future[None]]
@@ -43,11 +44,11 @@ class Message(Operation):
 
     __slots__ = (
         "_address",
+        "_ledger",
         "_pending",
         "_state",
         "_submission_waiters",
         "_waiters",
-        "_world",
         "error",
         "length",
         "origin",
@@ -59,7 +60,7 @@ class Message(Operation):
 
     def __init__(
         self,
-        world: World,
+        ledger: Ledger,
         op: Op,
         buffer: memoryview,
         peer: int,
@@ -69,7 +70,7 @@ class Message(Operation):
         deadline: float | None = None,
     ) -> None:
         super().__init__(op, buffer, peer, tag, address, deadline)
-        self._world = world
+        self._ledger = ledger
         self.origin = op in _ORIGIN_OPS
         self.schedule = schedule
         self._state = State.POSTED
@@ -119,7 +120,7 @@ class Message(Operation):
             op=self.op,
             tag=None if origin else self.remote_tag,
             length=self.length,
-            local_pid=self._world.mypid,
+            local_pid=self._ledger.mypid,
             remote_pid=self.remote_pid,
             local_address=self._address,
             remote_address=self.address if origin else None,
@@ -135,7 +136,7 @@ class Message(Operation):
         """
         if self._state.terminal:
             return False
-        self._world.advance(self, Input.USER_CANCEL)
+        self._ledger.advance(self, Input.USER_CANCEL)
         return True
 
     @property
@@ -145,7 +146,7 @@ class Message(Operation):
 
     def __await__(self) -> Generator[Any, None, Receipt]:
         if not self._state.terminal:
-            future = self._world.waiter(self, submission=False)
+            future = self._ledger.waiter(self, submission=False)
             if future is not None:
                 yield from future.__await__()
         return self.outcome()
@@ -160,7 +161,7 @@ class Message(Operation):
         assert isinstance(self.error, (MessageTimeout, MessageFailed)), state
         raise self.error
 
-    # -- what the world calls, under its lock ---------------------------------------
+    # -- what the ledger calls, under its lock ---------------------------------------
 
     def apply(self, inp: Input) -> Step:
         """Apply `inp` to this message; ProtocolError if it can never receive it."""
@@ -232,7 +233,7 @@ class _Submitted:
     def __await__(self) -> Generator[Any, None, Receipt]:
         msg = self._msg
         if not msg.submitted_seen and not msg.done():
-            future = msg._world.waiter(msg, submission=True)
+            future = msg._ledger.waiter(msg, submission=True)
             if future is not None:
                 yield from future.__await__()
         if msg.submitted_seen:

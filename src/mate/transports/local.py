@@ -292,7 +292,7 @@ async def open_worlds(n: int, *, default_timeout: float = 1.0, progress: Any = N
     worlds = []
     for rank in range(n):
         world = World(loop, default_timeout=default_timeout, handlers=handlers)
-        world.attach(LocalTransport(fabric, rank, world, loop, eager_limit))
+        world.attach(LocalTransport(fabric, rank, world.sink, loop, eager_limit))
         worlds.append(world)
     return worlds
 

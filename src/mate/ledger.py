@@ -1,0 +1,207 @@
+"""The ledger: this process's messages, and the sink its transport reports to.
+
+`mate.world` checks the user's arguments; everything after that happens
+here, on every message, so this module is compiled (`mate.native`). The
+ledger keeps the outstanding messages, arms their deadlines, posts them to
+the transport, and turns what the transport reports into state changes
+(`Message.apply`, under the ledger's lock), schedule handlers
+(`mate.dispatch`) and woken awaiters.
+
+Reports may come from any thread. With handlers on the loop, a report that
+comes from another thread is applied on the loop's thread, through the one
+entry queue (`mate.entry`): a progress pass's reports make one hop. With
+handlers in the progress thread, reports are applied at once, in the thread
+that made them, and only the awaiters' wake-up hops to the loop.
+
+The clock starts at post. An elapsed timeout only asks the transport to
+cancel: the message times out when the transport confirms, or completes if
+its data had already landed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mate.deadlines import Deadlines, LoopDeadlines, ThreadDeadlines
+from mate.dispatch import Dispatcher
+from mate.entry import EntryQueue
+from mate.errors import FailureReason
+from mate.machine import Input
+from mate.message import Message, Waiters
+from mate.schedule import Op, State
+from mate.transports.base import Operation, Report, Transport, failure
+
+logger = logging.getLogger("mate")
+
+
+class Ledger:
+    def __init__(self, loop: asyncio.AbstractEventLoop, handlers: str) -> None:
+        self._loop = loop
+        self._entry = EntryQueue(loop)
+        self.dispatcher = Dispatcher(loop, handlers, self._entry)
+        # Handlers in the progress thread: reports are applied where they come from.
+        self._at_once = handlers == "progress"
+        self.deadlines: Deadlines = (ThreadDeadlines(self._expire) if self._at_once
+                                     else LoopDeadlines(loop, self._expire))
+        self._lock = threading.Lock()  # guards message states, waiters, the outstanding set
+        self._outstanding: set[Message] = set()
+        # Counters for stats(): [messages, bytes] completed by op, and other endings.
+        self._completed = {op: [0, 0] for op in Op}
+        self._endings = {State.TIMED_OUT: 0, State.FAILED: 0, State.CANCELLED: 0}
+        self._transport: Transport | None = None
+        self.mypid = 0
+        self.closed = False
+
+    def attach(self, transport: Transport) -> None:
+        self._transport = transport
+        self.mypid = transport.mypid
+
+    # -- the world's calls -----------------------------------------------------------------
+
+    def post(self, transport: Transport, msg: Message) -> Message:
+        with self._lock:
+            self._outstanding.add(msg)
+        if msg.deadline is not None:
+            self.deadlines.arm(msg, msg.deadline)
+        transport.post(msg)
+        return msg
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            counters = {"outstanding": len(self._outstanding)}
+            for op, (messages, nbytes) in self._completed.items():
+                counters[f"{op.value}_messages"] = messages
+                counters[f"{op.value}_bytes"] = nbytes
+            counters["timed_out"] = self._endings[State.TIMED_OUT]
+            counters["failed"] = self._endings[State.FAILED]
+            counters["cancelled"] = self._endings[State.CANCELLED]
+        return counters
+
+    def end_all(self) -> None:
+        """Shutdown: end every outstanding message, with no events."""
+        self.closed = True
+        with self._lock:
+            outstanding = list(self._outstanding)
+        for msg in outstanding:
+            self.advance(msg, Input.SHUTDOWN)
+
+    def _expire(self, msg: Message) -> None:
+        """Its deadline passed (the loop's or the timeout thread's clock)."""
+        self.advance(msg, Input.TIMEOUT)
+
+    # -- the sink: what the transport reports, from any thread -----------------------------
+
+    def submitted(self, op: Operation) -> None:
+        self._route(Report(Input.SUBMITTED, op))
+
+    def completed(self, op: Operation, length: int, peer: int, tag: int) -> None:
+        self._route(Report(Input.COMPLETED, op, length, peer, tag))
+
+    def failed(self, op: Operation, reason: FailureReason, detail: str = "", *,
+               cause: BaseException | None = None, length: int = 0,
+               peer: int | None = None, tag: int | None = None) -> None:
+        self._route(Report(Input.FAILED, op, length, peer, tag, failure(reason, detail, cause)))
+
+    def cancelled(self, op: Operation) -> None:
+        self._route(Report(Input.CANCELLED, op))
+
+    def report_all(self, reports: Sequence[Report]) -> None:
+        if not (self._at_once or self._entry.on_loop_thread()):
+            self._entry.run_each_soon(self._apply_later, reports)  # one lock, one hop
+            return
+        first: Exception | None = None
+        for report in reports:  # each applied, even after one that is a transport bug
+            try:
+                self._apply(report)
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        self._entry.call_on_loop(fn, *args)
+
+    def _route(self, report: Report) -> None:
+        if self._at_once or self._entry.on_loop_thread():
+            self._apply(report)  # a ProtocolError goes back to the transport that erred
+        else:
+            self._entry.run_soon(self._apply_later, report)
+
+    def _apply(self, report: Report) -> None:
+        msg = report.op
+        assert isinstance(msg, Message), msg  # the world posts only its messages
+        self.advance(msg, report.input, report.length, report.peer, report.tag, report.error)
+
+    def _apply_later(self, report: Report) -> None:
+        """`_apply` on the loop, after a hop: nobody to raise to, so a report that is a
+        transport bug fails its message with TRANSPORT (the error chained) and is logged."""
+        try:
+            self._apply(report)
+        except Exception as exc:
+            msg = report.op
+            assert isinstance(msg, Message), msg
+            logger.error("mate: %s reported for %r", report.input.name, msg, exc_info=exc)
+            self.advance(msg, Input.FAILED,
+                         error=failure(FailureReason.TRANSPORT, f"transport error: {exc!r}", exc))
+
+    # -- state changes ------------------------------------------------------------------------
+
+    def advance(self, msg: Message, inp: Input, length: int | None = None,
+                peer: int | None = None, tag: int | None = None,
+                error: BaseException | None = None) -> None:
+        """Feed `inp` to `msg`'s state machine and carry out what it says."""
+        with self._lock:
+            was_live = not msg.done()
+            step = msg.apply(inp)
+            ended = was_live and step.state.terminal
+            if ended:
+                msg.settle(length, peer, tag, error)
+                self._outstanding.discard(msg)
+                if step.state is State.COMPLETED:
+                    completed = self._completed[msg.op]
+                    completed[0] += 1
+                    completed[1] += msg.length
+                else:
+                    self._endings[step.state] += 1
+                if msg.deadline is not None:
+                    self.deadlines.ended()
+            woken = msg.take_waiters() if step.events or ended else None
+        if step.ask_cancel:
+            assert self._transport is not None
+            self._transport.cancel(msg)
+        for event in step.events:
+            handler, data = msg.schedule.handler_for(event)
+            if handler is not None:
+                self.dispatcher.dispatch(handler, msg.receipt_for(event), data)
+        if woken:
+            self._entry.call_on_loop(_wake_all, woken)
+
+    # -- awaitables ---------------------------------------------------------------------------
+
+    def waiter(self, msg: Message, *, submission: bool) -> asyncio.Future[None] | None:
+        """A future for a task that awaits `msg` (its submission if `submission`);
+        None if that has happened already. Cancelling it cancels the message."""
+        future = self._loop.create_future()
+        with self._lock:
+            if not msg.add_waiter(future, submission=submission):
+                return None
+        future.add_done_callback(functools.partial(_cancel_if_abandoned, msg))
+        if self._transport is not None and not self.closed:
+            self._transport.awaiting(msg, msg.done)
+        return future
+
+
+def _wake_all(futures: Waiters) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_result(None)
+
+
+def _cancel_if_abandoned(msg: Message, future: asyncio.Future[None]) -> None:
+    if future.cancelled():
+        msg.cancel()

@@ -6,6 +6,9 @@ code is involved. Its latency bounds from below what mate (or anything built on
 asyncio futures) can reach on this machine, next to raw blocking mpi4py.
 
     mpiexec -n 2 python bench/floor.py [--uvloop] [--rounds N]
+
+`mate-bench pingpong --floor` measures the same floor beside mate, per size, in
+the same run (`mate.bench.patterns.FloorBench`); this script is the floor alone.
 """
 
 from __future__ import annotations
@@ -16,19 +19,7 @@ import time
 
 from mpi4py import MPI
 
-
-async def await_request(request: MPI.Request) -> None:
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def poll() -> None:
-        if request.Test():
-            future.set_result(None)
-        else:
-            loop.call_soon(poll)
-
-    loop.call_soon(poll)
-    await future
+from mate.bench.patterns import await_request
 
 
 async def pingpong(comm: MPI.Comm, rounds: int) -> float:

@@ -93,7 +93,7 @@ def test_bad_sizes_are_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["pingpong", "--transport", "local", "--baseline"], "--baseline needs a launched"),
+    (["pingpong", "--transport", "local", "--baseline"], "--baseline and --floor need a launched"),
     (["pingpong", "--transport", "local", "--progress", "thread"], "launched transports"),
     (["put", "--transport", "ibverbs", "--rma", "native"], "--transport mpi only"),
     (["pingpong", "--transport", "ibverbs", "--progress", "manual"], "loop, poll, thread"),
@@ -102,6 +102,12 @@ def test_bad_sizes_are_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> 
     (["pingpong", "--transport", "mpi", "--rma", "native"], "put and get"),
     (["pingpong", "--repetitions", "0"], "must be >= 1"),
     (["pingpong", "--min-time", "-1"], ">= 0"),
+    (["pingpong", "--window", "8"], "rate pattern only"),
+    (["pingping", "--handlers"], "rate pattern only"),
+    (["rate", "--window", "0"], "must be >= 1"),
+    (["rate", "--wait", "submission"], "no submission"),
+    (["put", "--transport", "mpi", "--floor"], "pingpong pattern only"),
+    (["pingpong", "--transport", "local", "--floor"], "need a launched transport"),
 ])
 def test_bad_combinations(argv: list[str], message: str,
                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -497,3 +503,95 @@ def test_written_files_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2:] == [f"wrote {json_path}", f"wrote {plot_path}"]
     assert json_path.exists() and plot_path.exists()
+
+
+# -- the rate pattern (message rate, osu_mbw_mr style) ---------------------------------------------
+
+
+def test_rate_rows_carry_messages_per_second() -> None:
+    """The rate pattern's latency is the time per message, so messages/s is 10^6 / latency;
+    the table shows both rates and the title the window."""
+    mate = Measurement(8, (Sample(10, 0.001, 0.01),), divisor=64)  # 10 windows of 64 in 1 ms
+    raw = Measurement(8, (Sample(10, 0.0001, 0.001),), divisor=64)
+    result = Result("rate", "mpi", "poll", "completion", "testhost",
+                    [Row.from_measurements(mate, raw)], extra={"window": 64})
+    row = result.to_json()["rows"][0]
+    assert row["messages_per_s"] == pytest.approx(640_000)
+    assert row["baseline_messages_per_s"] == pytest.approx(6_400_000)
+    assert row["latency_us"] == pytest.approx(1e6 / 640_000)
+    head = format_head(result, True)
+    assert "window=64" in head.splitlines()[0] and head.split()[-2:] == ["raw", "msg/s"]
+    assert format_row(result.rows[0], True, rate=True).split()[-2:] == ["640000", "6400000"]
+    assert "msg/s" not in format_head(synthetic_result(True), True)
+
+
+@pytest.mark.parametrize("handlers", [False, True])
+def test_rate_runs_locally(handlers: bool, tmp_path: Path) -> None:
+    path = tmp_path / "rate.json"
+    env = {k: v for k, v in os.environ.items() if k != cli.PROGRESS_ENV}
+    done = subprocess.run(
+        [sys.executable, "-m", "mate.bench", "rate", "--transport", "local", "--sizes", "8,4K",
+         "--window", "8", "--min-time", "0.001", "--repetitions", "2", "--json", str(path),
+         *(["--handlers"] if handlers else [])],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    obj = json.loads(path.read_text())
+    check_schema(obj, baseline=False)
+    assert (obj["pattern"], obj["window"], obj["handler_driven"]) == ("rate", 8, handlers)
+    for row in obj["rows"]:
+        assert row["messages_per_s"] == pytest.approx(1e6 / row["latency_us"])
+        assert row["baseline_messages_per_s"] is None
+    assert ("handler-driven" in done.stdout) == handlers
+
+
+@pytest.mark.parametrize(("transport", "handlers"), [("mpi", False), ("ibverbs", True)])
+def test_rate_against_raw_windows_on_two_ranks(transport: str, handlers: bool,
+                                               tmp_path: Path) -> None:
+    """Two launched ranks, beside raw Issend/Irecv windows in the same run."""
+    path = tmp_path / "rate.json"
+    env = {k: v for k, v in os.environ.items() if k != cli.PROGRESS_ENV}
+    done = subprocess.run(
+        [sys.executable, "-m", "mate.bench", "rate", "--transport", transport, "--baseline",
+         "--sizes", "8,64K", "--window", "16", "--min-time", "0.001", "--repetitions", "2",
+         "--json", str(path), *(["--handlers"] if handlers else [])],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    obj = json.loads(path.read_text())
+    check_schema(obj, baseline=True)
+    assert obj["transport"] == transport and obj["window"] == 16
+    for row in obj["rows"]:
+        assert row["messages_per_s"] > 0 and row["baseline_messages_per_s"] > 0
+
+
+# -- the asyncio floor beside mate (mate-bench pingpong --floor) ----------------------------------
+
+
+def test_floor_columns_and_ratio() -> None:
+    mate = Measurement(8, (Sample(100, 0.003, 0.01),), divisor=2)  # 15 us
+    floor = Measurement(8, (Sample(100, 0.001, 0.01),), divisor=2)  # 5 us
+    result = Result("pingpong", "mpi", "poll", "completion", "testhost",
+                    [Row.from_measurements(mate, None, floor)], extra={"floor": "asyncio"})
+    row = result.to_json()["rows"][0]
+    assert row["floor_latency_us"] == pytest.approx(5.0)
+    assert row["floor_ratio"] == pytest.approx(3.0)
+    assert row["baseline_latency_us"] is None
+    head = format_head(result, False)
+    assert "floor=asyncio" in head.splitlines()[0] and head.split()[-2:] == ["us", "/floor"]
+    assert format_row(result.rows[0], False).split()[-2:] == ["5.00", "3.00"]
+    assert synthetic_result(True).to_json()["rows"][0]["floor_ratio"] is None
+
+
+def test_floor_measured_in_the_same_run_on_two_ranks(tmp_path: Path) -> None:
+    path = tmp_path / "pp.json"
+    env = {k: v for k, v in os.environ.items() if k != cli.PROGRESS_ENV}
+    done = subprocess.run(
+        [sys.executable, "-m", "mate.bench", "pingpong", "--transport", "mpi", "--baseline",
+         "--floor", "--sizes", "8,4K", "--min-time", "0.001", "--repetitions", "2",
+         "--json", str(path)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    obj = json.loads(path.read_text())
+    check_schema(obj, baseline=True)
+    assert obj["floor"] == "asyncio"
+    for row in obj["rows"]:
+        assert row["floor_latency_us"] > 0
+        assert row["floor_ratio"] == pytest.approx(row["latency_us"] / row["floor_latency_us"])

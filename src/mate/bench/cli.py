@@ -24,7 +24,7 @@ from mate import registry
 from mate.arguments import non_negative, positive_int
 from mate.bench import stats
 from mate.bench.driver import BenchError, Options, run
-from mate.bench.patterns import PATTERNS, SUBMISSION_PATTERNS
+from mate.bench.patterns import DEFAULT_WINDOW, PATTERNS, SUBMISSION_PATTERNS
 from mate.bench.report import Result, format_summary, write_plot
 from mate.errors import InvalidArgument
 
@@ -41,6 +41,8 @@ patterns:
   put       rank 0 writes into memory rank 1 exposed (one-sided push)
   get       rank 0 reads memory rank 1 exposed (one-sided pull)
   wait      rank 0 waits --idle s (default 1) for one message: its CPU % is the figure
+  rate      message rate (OSU osu_mbw_mr): rank 0 sends windows of --window messages,
+            rank 1 receives each window and acknowledges it; latency = time per message
 
 figures per size: median over --repetitions of the time per operation (µs),
 bandwidth = size / latency (MB/s, MB = 10^6 bytes), CPU % = getrusage user+sys
@@ -90,8 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="what each send/put awaits (default completion)")
     parser.add_argument("--baseline", action="store_true",
                         help="also measure raw mpi4py in the same run (mpi only)")
+    parser.add_argument("--floor", action="store_true",
+                        help="pingpong: also measure the asyncio (or uvloop) floor in the same "
+                             "run: mpi4py requests awaited through loop callbacks, no mate")
     parser.add_argument("--idle", type=non_negative, default=1.0, metavar="S",
                         help="wait pattern: how long rank 1 waits before sending (default 1)")
+    parser.add_argument("--window", type=positive_int, metavar="W",
+                        help=f"rate pattern: messages per window (default {DEFAULT_WINDOW})")
+    parser.add_argument("--handlers", action="store_true",
+                        help="rate pattern: rank 1 reposts each receive from the completion "
+                             "handler of the one before")
     add_measurement_arguments(parser)
     return parser
 
@@ -105,8 +115,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         except InvalidArgument as exc:
             parser.error(f"$MATE_TRANSPORT: {exc}")
     if args.transport == "local":
-        if args.baseline:
-            parser.error("--baseline needs a launched transport (the baseline is raw mpi4py)")
+        if args.baseline or args.floor:
+            parser.error("--baseline and --floor need a launched transport (both run mpi4py)")
         if args.progress is not None:
             parser.error("--progress applies to launched transports (mpi, ibverbs)")
     if args.rma is not None and args.transport != "mpi":
@@ -118,6 +128,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.wait == "submission" and args.pattern not in SUBMISSION_PATTERNS:
         parser.error(f"--wait submission: {args.pattern} has no submission event "
                      f"(only {', '.join(SUBMISSION_PATTERNS)} do)")
+    if args.floor and args.pattern != "pingpong":
+        parser.error("--floor applies to the pingpong pattern only")
+    if args.pattern != "rate" and (args.window is not None or args.handlers):
+        parser.error("--window and --handlers apply to the rate pattern only")
     if args.rma is not None and args.pattern not in ("put", "get"):
         parser.error("--rma applies to the put and get patterns only")
     if args.uvloop:
@@ -139,6 +153,7 @@ def options(args: argparse.Namespace) -> Options:
         pattern=args.pattern, transport=args.transport, progress=args.progress, rma=args.rma,
         wait=args.wait, sizes=tuple(args.sizes), baseline=args.baseline,
         repetitions=args.repetitions, min_time=args.min_time, idle=args.idle,
+        window=args.window or DEFAULT_WINDOW, handler_driven=args.handlers, floor=args.floor,
         show_progress=sys.stderr.isatty() if show is None else show == "1",
         uvloop=args.uvloop)
 
@@ -155,12 +170,12 @@ def emit(result: Result, args: argparse.Namespace) -> None:
         print(f"wrote {args.plot}", flush=True)
 
 
-def launch(argv: Sequence[str], transport: str, baseline: bool) -> int:
+def launch(argv: Sequence[str], transport: str, with_mpi: bool) -> int:
     """Run this benchmark again as two ranks (mpiexec, or mate-run for a transport of
-    its own launcher without an MPI baseline); return the launcher's exit code."""
+    its own launcher when no raw MPI runs beside it); return the launcher's exit code."""
     from mate.run import find_mpiexec
 
-    if registry.TRANSPORTS[transport].launcher == "mpiexec" or baseline:
+    if registry.TRANSPORTS[transport].launcher == "mpiexec" or with_mpi:
         launcher = [find_mpiexec(), "-n", "2"]
     else:
         launcher = [sys.executable, "-m", "mate.run", "-n", "2", "--transport", transport]
@@ -179,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     entry = registry.TRANSPORTS[args.transport]
     if entry.launcher is not None and not (registry.launched_by_mpiexec() or entry.detect()):
-        sys.exit(launch([*argv, "--transport", args.transport], args.transport, args.baseline))
+        sys.exit(launch([*argv, "--transport", args.transport], args.transport,
+                        args.baseline or args.floor))
     try:
         result = run(options(args))
     except BenchError as exc:

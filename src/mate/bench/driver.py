@@ -23,7 +23,7 @@ import mate
 from mate import native, registry
 from mate.bench import stats
 from mate.bench.measure import Batch, Measurement, measure
-from mate.bench.patterns import DIVISOR, MateBench, RawBench
+from mate.bench.patterns import DEFAULT_WINDOW, FloorBench, MateBench, RawBench, divisor
 from mate.bench.report import ProgressBar, Result, Row, format_head, show_row
 
 WAIT_SIZE = 8  # the wait pattern ignores --sizes
@@ -45,6 +45,9 @@ class Options:
     repetitions: int = 5
     min_time: float = 0.05
     idle: float = 1.0  # the wait pattern: how long rank 0 waits
+    window: int = DEFAULT_WINDOW  # the rate pattern: messages per window
+    handler_driven: bool = False  # the rate pattern: rank 1 reposts from handlers
+    floor: bool = False  # pingpong: also measure the asyncio floor (needs MPI)
     show_progress: bool = False
     uvloop: bool = False
 
@@ -68,8 +71,13 @@ def _metadata(opts: Options) -> dict[str, Any]:
     }
     if opts.pattern == "wait":
         extra["idle_s"] = opts.idle
+    if opts.floor:
+        extra["floor"] = "uvloop" if opts.uvloop else "asyncio"
+    if opts.pattern == "rate":
+        extra["window"] = opts.window
+        extra["handler_driven"] = opts.handler_driven
     extra["rma"] = (opts.rma or "native") if opts.transport == "mpi" else None
-    if opts.transport == "mpi" or opts.baseline:
+    if opts.transport == "mpi" or opts.baseline or opts.floor:
         import mpi4py
         from mpi4py import MPI
 
@@ -92,18 +100,25 @@ def new_result(opts: Options) -> Result:
                   extra=_metadata(opts))
 
 
+def _mate_bench(opts: Options, world: mate.World) -> MateBench:
+    return MateBench(world, opts.pattern, opts.wait, opts.sweep, opts.idle, opts.window,
+                     opts.handler_driven)
+
+
 async def _measure(opts: Options, batch: Batch, size: int) -> Measurement:
-    divisor = DIVISOR.get(opts.pattern, 1)
+    per = divisor(opts.pattern, opts.window)
     if opts.pattern == "wait":  # one long wait per repetition: no warm-up, no calibration
         return await measure(batch, size, min_time=opts.min_time,
-                             repetitions=opts.repetitions, divisor=divisor, warmup=0,
+                             repetitions=opts.repetitions, divisor=per, warmup=0,
                              iterations=1)
     return await measure(batch, size, min_time=opts.min_time, repetitions=opts.repetitions,
-                         divisor=divisor)
+                         divisor=per)
 
 
-async def _lead(opts: Options, bench: MateBench, raw: RawBench | None, result: Result) -> None:
-    """Rank 0: the sweep, mate then (with a baseline) raw at every size, into `result`;
+async def _lead(opts: Options, bench: MateBench, raw: RawBench | None,
+                floor: FloorBench | None, result: Result) -> None:
+    """Rank 0: the sweep, mate then (with a baseline) raw then (with the floor) the
+    asyncio floor at every size, into `result`;
     the table goes to stdout as the sweep goes."""
     sizes = opts.sweep
     bar = ProgressBar(len(sizes), f"{opts.pattern} {opts.transport}", opts.show_progress)
@@ -124,31 +139,39 @@ async def _lead(opts: Options, bench: MateBench, raw: RawBench | None, result: R
                 bar.update(i, f"{stats.format_size(size)} B raw ")
                 theirs = await _measure(opts, raw.batch(size), size)
                 raw.end_phase(size)
-            result.rows.append(Row.from_measurements(mine, theirs))
-            show_row(result.rows[-1], raw is not None, bar)
+            lowest = None
+            if floor is not None:
+                bar.update(i, f"{stats.format_size(size)} B floor")
+                lowest = await _measure(opts, floor.batch(size), size)
+                floor.end_phase(size)
+            result.rows.append(Row.from_measurements(mine, theirs, lowest))
+            show_row(result.rows[-1], raw is not None, bar, rate=opts.pattern == "rate")
         bar.update(len(sizes), "done")
     finally:
         bar.clear()
 
 
-async def _serve(opts: Options, bench: MateBench, raw: RawBench | None) -> None:
+async def _serve(opts: Options, bench: MateBench, raw: RawBench | None,
+                 floor: FloorBench | None) -> None:
     """Rank 1: serve every phase, in the order rank 0 runs them."""
     for _ in opts.sweep:
         await bench.serve_phase()
         if raw is not None:
             raw.serve_phase()
+        if floor is not None:
+            await floor.serve_phase()
 
 
 async def run_local(opts: Options) -> Result:
     """Both ranks in this process, on the local transport."""
-    if opts.baseline:
-        raise BenchError("--baseline needs --transport mpi (raw MPI is the baseline)")
+    if opts.baseline or opts.floor:
+        raise BenchError("--baseline and --floor need a launched transport (they use MPI)")
     result = new_result(opts)
     async with mate.local.worlds(2) as (w0, w1):
-        lead = MateBench(w0, opts.pattern, opts.wait, opts.sweep, opts.idle)
-        serve = MateBench(w1, opts.pattern, opts.wait, opts.sweep, opts.idle)
+        lead, serve = _mate_bench(opts, w0), _mate_bench(opts, w1)
         await asyncio.gather(lead.setup(), serve.setup())
-        await asyncio.gather(_lead(opts, lead, None, result), _serve(opts, serve, None))
+        await asyncio.gather(_lead(opts, lead, None, None, result),
+                             _serve(opts, serve, None, None))
         await asyncio.gather(lead.teardown(), serve.teardown())
     return result
 
@@ -161,17 +184,19 @@ async def run_launched(opts: Options) -> Result | None:
     async with mate.startup(opts.transport, **options) as world:
         if world.numprocs != 2:
             raise BenchError(f"mate-bench runs on exactly 2 ranks, not {world.numprocs}")
-        bench = MateBench(world, opts.pattern, opts.wait, opts.sweep, opts.idle)
-        raw = RawBench(opts.pattern, opts.wait, opts.sweep, opts.idle) if opts.baseline else None
+        bench = _mate_bench(opts, world)
+        raw = (RawBench(opts.pattern, opts.wait, opts.sweep, opts.idle, opts.window)
+               if opts.baseline else None)
+        floor = FloorBench(opts.sweep) if opts.floor else None
         await bench.setup()
         if raw is not None:
             raw.setup()
         result: Result | None = None
         if world.mypid == 0:
             result = new_result(opts)
-            await _lead(opts, bench, raw, result)
+            await _lead(opts, bench, raw, floor, result)
         else:
-            await _serve(opts, bench, raw)
+            await _serve(opts, bench, raw, floor)
         await bench.teardown()
         # Meet before the raw window is freed (a blocking collective): rank 1's
         # unexpose needs rank 0's mate progress until it returns.
@@ -182,6 +207,8 @@ async def run_launched(opts: Options) -> Result | None:
             await world.send(token, 0, 3)
         if raw is not None:
             raw.teardown()
+        if floor is not None:
+            floor.teardown()
     return result
 
 

@@ -1,10 +1,18 @@
-"""The benchmark patterns, once with mate's public API and once with raw mpi4py.
+"""The benchmark patterns: with mate's public API, with raw mpi4py, and the asyncio floor.
 
 Rank 0 measures, rank 1 serves. Each size is a *phase*: rank 0 runs batches
 (see `mate.bench.measure`), each announced to rank 1 by a header (iterations,
 size) and acknowledged, so that the clock starts with both ranks ready; a
 header with 0 iterations ends the phase. With a baseline, every size has a
-mate phase followed by a raw phase, so that both see the same machine state.
+mate phase followed by a raw phase, so that both see the same machine state;
+with the floor (pingpong only), a floor phase follows them.
+
+The floor (`FloorBench`) is the least an asyncio program pays to await MPI
+requests: the same ping-pong with mpi4py's ``Irecv``/``Issend``, each request
+awaited through a loop callback that tests it and resolves a future, as any
+asyncio integration of MPI must, with no mate code involved. It runs on the
+event loop the benchmark runs on (asyncio, or uvloop with ``--uvloop``), and
+bounds from below what anything built on asyncio futures can reach here.
 
 Per iteration, rank 0 (rank 1 mirrors the two-sided patterns):
 
@@ -23,6 +31,15 @@ Per iteration, rank 0 (rank 1 mirrors the two-sided patterns):
 * wait: rank 1 sends one message `idle` seconds after the start; rank 0 awaits
   it, and its CPU use over that time is the figure (SPEC §7, thread mode).
   Raw: a blocking ``Recv``.
+* rate (message rate, as OSU's ``osu_mbw_mr``): per iteration rank 0 posts a
+  window of `window` sends and awaits each, in order; rank 1 posts a window
+  of receives, awaits them, and sends one acknowledgement, which rank 0
+  awaits before the next window. The figure is the time per message (so
+  messages/s = 10^6 / latency). With `handler_driven`, rank 1 keeps `window`
+  receives posted by reposting each from its completion handler, as the
+  thesis's programs do, and acknowledges each window from the handler that
+  completes it. Raw: ``Issend`` x window + ``Waitall``, ``Irecv`` x window +
+  ``Waitall``, and a ``Send``/``Recv`` acknowledgement.
 """
 
 from __future__ import annotations
@@ -35,12 +52,13 @@ from typing import Any
 import mate
 from mate.bench.measure import Batch, Sample, clock
 
-PATTERNS = ("pingpong", "pingping", "put", "get", "wait")
+PATTERNS = ("pingpong", "pingping", "put", "get", "wait", "rate")
 SUBMISSION_PATTERNS = ("pingpong", "pingping", "put")  # send and put have a submission
-DIVISOR = {"pingpong": 2}  # pingpong reports half the round trip
+DEFAULT_WINDOW = 64  # the rate pattern's messages per window (OSU's default)
 
 DATA_TAG = 1
 CONTROL_TAG = 2
+WINDOW_TAG = 4  # the rate pattern's per-window acknowledgement
 HEADER = struct.Struct("<qq")  # iterations (0 ends the phase), size
 ADDRESS = struct.Struct("<Q")
 
@@ -62,13 +80,22 @@ class Buffers:
 # -- mate --------------------------------------------------------------------------------
 
 
+def divisor(pattern: str, window: int) -> int:
+    """What one timed iteration is divided by: pingpong reports half the round trip,
+    rate the time per message of its window."""
+    return {"pingpong": 2, "rate": window}.get(pattern, 1)
+
+
 class MateBench:
     """One rank's side of a pattern over mate's public API."""
 
     def __init__(self, world: mate.World, pattern: str, wait: str, sizes: list[int],
-                 idle: float) -> None:
+                 idle: float, window: int = DEFAULT_WINDOW,
+                 handler_driven: bool = False) -> None:
         self.world = world
         self.pattern = pattern
+        self.window = window
+        self.handler_driven = handler_driven
         self.submission = wait == "submission"
         self.sizes = sizes
         self.idle = idle
@@ -166,8 +193,21 @@ class MateBench:
                 await recv(into, 1, DATA_TAG)
             return Sample.since(n, start)
 
+        window, acknowledgement = self.window, self.ack
+
+        async def rate(n: int) -> Sample:
+            await self._start(n, size)
+            start = clock()
+            for _ in range(n):
+                acknowledged = recv(acknowledgement, 1, WINDOW_TAG)
+                sends = [send(out, 1, DATA_TAG) for _ in range(window)]
+                for message in sends:
+                    await message
+                await acknowledged
+            return Sample.since(n, start)
+
         loops = {"pingpong": pingpong, "pingping": pingping, "put": put_, "get": get_,
-                 "wait": wait}
+                 "wait": wait, "rate": rate}
         return loops[pattern]
 
     # -- rank 1 ------------------------------------------------------------------------
@@ -202,8 +242,55 @@ class MateBench:
                 for _ in range(n):
                     await asyncio.sleep(self.idle)
                     await send(out, 0, DATA_TAG)
+            elif pattern == "rate":
+                await send(self.ack, 0, CONTROL_TAG)
+                if self.handler_driven:
+                    await self._receive_by_handlers(n, into)
+                else:
+                    for _ in range(n):
+                        receives = [recv(into, 0, DATA_TAG) for _ in range(self.window)]
+                        for message in receives:
+                            await message
+                        await send(self.ack, 0, WINDOW_TAG)
             else:  # put, get: rank 1 only keeps its region exposed
                 await send(self.ack, 0, CONTROL_TAG)
+
+
+    async def _receive_by_handlers(self, windows: int, into: memoryview) -> None:
+        """The rate pattern's rank 1, handler-driven: `window` receives stay posted, each
+        reposted from the completion handler of the one before it; the handler that
+        completes a window acknowledges it."""
+        world, window, total = self.world, self.window, windows * self.window
+        done = asyncio.get_running_loop().create_future()
+        acknowledgements: list[mate.Message] = []
+        posted = received = 0
+
+        def completed(receipt: mate.Receipt, data: Any) -> None:
+            nonlocal posted, received
+            received += 1
+            if posted < total:
+                post()
+            if received % window == 0:
+                acknowledgements.append(world.send(self.ack, 0, WINDOW_TAG))
+            if received == total and not done.done():
+                done.set_result(None)
+
+        def failed(receipt: mate.Receipt, data: Any) -> None:
+            if not done.done():
+                done.set_exception(receipt.error or RuntimeError("a receive failed"))
+
+        schedule = mate.Schedule(completion=completed, failure=failed)
+
+        def post() -> None:
+            nonlocal posted
+            posted += 1
+            world.recv(into, 0, DATA_TAG, schedule=schedule, timeout=None)
+
+        for _ in range(min(window, total)):
+            post()
+        await done
+        for message in acknowledgements:
+            await message
 
 
 async def _reply(send: Any, out: memoryview, submission: bool) -> None:
@@ -237,11 +324,13 @@ class RawBench:
     """One rank's side of a pattern in raw mpi4py: blocking or request-based calls on
     a communicator (and for put/get a dynamic window) of its own."""
 
-    def __init__(self, pattern: str, wait: str, sizes: list[int], idle: float) -> None:
+    def __init__(self, pattern: str, wait: str, sizes: list[int], idle: float,
+                 window: int = DEFAULT_WINDOW) -> None:
         from mpi4py import MPI
 
         self.MPI = MPI
         self.pattern = pattern
+        self.window = window
         self.submission = wait == "submission"
         self.idle = idle
         self.comm = MPI.COMM_WORLD.Dup()
@@ -318,6 +407,13 @@ class RawBench:
                 rget = win.Rget
                 for _ in range(n):
                     rget(into, 1, target).Wait()
+            elif pattern == "rate":
+                issend, irecv, waitall = comm.Issend, comm.Irecv, MPI.Request.Waitall
+                window, acknowledgement = self.window, self.ack
+                for _ in range(n):
+                    acknowledged = irecv(acknowledgement, 1, WINDOW_TAG)
+                    waitall([issend(out, 1, DATA_TAG) for _ in range(window)])
+                    acknowledged.Wait()
             else:  # wait
                 for _ in range(n):
                     comm.Recv(into, 1, DATA_TAG)
@@ -353,6 +449,11 @@ class RawBench:
                 for _ in range(n):
                     time.sleep(self.idle)
                     comm.Ssend(out, 0, DATA_TAG)
+            elif self.pattern == "rate":
+                irecv, waitall = comm.Irecv, MPI.Request.Waitall
+                for _ in range(n):
+                    waitall([irecv(into, 0, DATA_TAG) for _ in range(self.window)])
+                    comm.Send(self.ack, 0, WINDOW_TAG)
             # put, get: the next blocking Recv of a header keeps MPI progressing
 
 
@@ -365,3 +466,70 @@ def raw_exchange(MPI: Any, comm: Any, n: int, out: memoryview, into: memoryview,
         requests[0] = irecv(into, peer, DATA_TAG)
         requests[1] = isend(out, peer, DATA_TAG)
         waitall(requests)
+
+
+# -- the asyncio floor -----------------------------------------------------------------------
+
+
+async def await_request(request: Any) -> None:
+    """Await an MPI request the cheapest way an event loop can: test it from a loop
+    callback until it completes."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def test() -> None:
+        if request.Test():
+            future.set_result(None)
+        else:
+            loop.call_soon(test)
+
+    loop.call_soon(test)
+    await future
+
+
+class FloorBench:
+    """One rank's side of the floor ping-pong, on a communicator of its own."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        from mpi4py import MPI
+
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.buffers = Buffers(sizes)
+        self.header = bytearray(HEADER.size)
+        self.ack = bytearray(HEADER.size)
+
+    def teardown(self) -> None:
+        self.comm.Free()
+
+    def batch(self, size: int) -> Batch:
+        comm, out, into = self.comm, self.buffers.outs[size], self.buffers.intos[size]
+
+        async def timed(n: int) -> Sample:
+            HEADER.pack_into(self.header, 0, n, size)
+            comm.Send(self.header, 1, CONTROL_TAG)
+            comm.Recv(self.ack, 1, CONTROL_TAG)
+            start = clock()
+            for _ in range(n):
+                reply = comm.Irecv(into, 1, DATA_TAG)
+                await await_request(comm.Issend(out, 1, DATA_TAG))
+                await await_request(reply)
+            return Sample.since(n, start)
+
+        return timed
+
+    def end_phase(self, size: int) -> None:
+        HEADER.pack_into(self.header, 0, 0, size)
+        self.comm.Send(self.header, 1, CONTROL_TAG)
+
+    async def serve_phase(self) -> None:
+        comm, header = self.comm, self.header
+        while True:
+            comm.Recv(header, 0, CONTROL_TAG)
+            n, size = HEADER.unpack(header)
+            if n == 0:
+                return
+            out, into = self.buffers.outs[size], self.buffers.intos[size]
+            comm.Send(self.ack, 0, CONTROL_TAG)
+            for _ in range(n):
+                await await_request(comm.Irecv(into, 0, DATA_TAG))
+                await await_request(comm.Issend(out, 0, DATA_TAG))

@@ -10,8 +10,11 @@ The JSON object is the contract scripts and CI read (SPEC §5)::
 
 Baseline fields are null without a baseline. Extra keys (``rma``, ``date``,
 ``python``, ``mpi_library``, ``repetitions``, ... and per row ``iterations``,
-``baseline_cpu_percent``, ``latency_ratio``, ``bandwidth_ratio``) may be added
-but those above never change.
+``baseline_cpu_percent``, ``latency_ratio``, ``bandwidth_ratio``,
+``messages_per_s``, ``baseline_messages_per_s``, ``floor_latency_us``,
+``floor_ratio``) may be added but those above never change.
+``messages_per_s`` is 10^6 / ``latency_us``: for the rate pattern, whose
+latency is the time per message of a window, the message rate.
 """
 
 from __future__ import annotations
@@ -43,20 +46,37 @@ class Row:
     baseline_bandwidth_MBps: float | None = None
     baseline_cpu_percent: float | None = None
     baseline_iterations: int | None = None
+    floor_latency_us: float | None = None  # the asyncio floor (mate-bench --floor)
 
     @classmethod
-    def from_measurements(cls, mate: Measurement, raw: Measurement | None = None) -> Row:
-        if raw is None:
-            return cls(mate.size, mate.latency_us, mate.bandwidth_mbps, mate.cpu_percent,
-                       mate.iterations)
-        return cls(mate.size, mate.latency_us, mate.bandwidth_mbps, mate.cpu_percent,
-                   mate.iterations, raw.latency_us, raw.bandwidth_mbps, raw.cpu_percent,
-                   raw.iterations)
+    def from_measurements(cls, mate: Measurement, raw: Measurement | None = None,
+                          floor: Measurement | None = None) -> Row:
+        return cls(
+            mate.size, mate.latency_us, mate.bandwidth_mbps, mate.cpu_percent, mate.iterations,
+            baseline_latency_us=None if raw is None else raw.latency_us,
+            baseline_bandwidth_MBps=None if raw is None else raw.bandwidth_mbps,
+            baseline_cpu_percent=None if raw is None else raw.cpu_percent,
+            baseline_iterations=None if raw is None else raw.iterations,
+            floor_latency_us=None if floor is None else floor.latency_us)
+
+    @property
+    def floor_ratio(self) -> float | None:
+        """MATE / the asyncio floor's latency (what mate costs above the event loop)."""
+        return stats.ratio(self.latency_us, self.floor_latency_us)
 
     @property
     def latency_ratio(self) -> float | None:
         """MATE / raw latency (above 1: MATE is slower)."""
         return stats.ratio(self.latency_us, self.baseline_latency_us)
+
+    @property
+    def messages_per_s(self) -> float | None:
+        return 1e6 / self.latency_us if self.latency_us > 0 else None
+
+    @property
+    def baseline_messages_per_s(self) -> float | None:
+        base = self.baseline_latency_us
+        return 1e6 / base if base else None
 
     @property
     def bandwidth_ratio(self) -> float | None:
@@ -76,6 +96,10 @@ class Row:
             "baseline_iterations": self.baseline_iterations,
             "latency_ratio": self.latency_ratio,
             "bandwidth_ratio": self.bandwidth_ratio,
+            "messages_per_s": self.messages_per_s,
+            "baseline_messages_per_s": self.baseline_messages_per_s,
+            "floor_latency_us": self.floor_latency_us,
+            "floor_ratio": self.floor_ratio,
         }
 
 
@@ -123,6 +147,10 @@ class Result:
     def has_baseline(self) -> bool:
         return any(r.baseline_latency_us is not None for r in self.rows)
 
+    @property
+    def has_floor(self) -> bool:
+        return bool(self.extra.get("floor"))
+
     def title(self) -> str:
         parts = [self.pattern, self.transport]
         if self.progress:
@@ -131,6 +159,12 @@ class Result:
             parts.append(f"rma={self.extra['rma']}")
         if self.wait != "completion":
             parts.append(f"wait={self.wait}")
+        if self.extra.get("floor"):
+            parts.append(f"floor={self.extra['floor']}")
+        if self.pattern == "rate":
+            parts.append(f"window={self.extra.get('window')}")
+            if self.extra.get("handler_driven"):
+                parts.append("handler-driven")
         return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
@@ -168,11 +202,15 @@ def format_head(result: Result, baseline: bool) -> str:
     if baseline:
         head += (f"  {'raw us':>10} {'raw MB/s':>10} {'raw CPU%':>8}"
                  f"  {'lat ratio':>9} {'bw ratio':>8}")
+    if result.pattern == "rate":
+        head += f"  {'msg/s':>10}" + (f" {'raw msg/s':>10}" if baseline else "")
+    if result.has_floor:
+        head += f"  {'floor us':>9} {'/floor':>7}"
     return f"# mate-bench {result.title()}  host={result.host}\n{head}"
 
 
-def format_row(row: Row, baseline: bool) -> str:
-    """One line of the table, under `format_head`."""
+def format_row(row: Row, baseline: bool, *, rate: bool = False) -> str:
+    """One line of the table, under `format_head` (`rate`: with the message rates)."""
     line = (f"{stats.format_size(row.size):>8} {_num(row.latency_us, 11)} "
             f"{_num(row.bandwidth_MBps, 10)} {_num(row.cpu_percent, 7, 1)} "
             f"{row.iterations:>8}")
@@ -181,14 +219,20 @@ def format_row(row: Row, baseline: bool) -> str:
                  f"{_num(row.baseline_bandwidth_MBps, 10)} "
                  f"{_num(row.baseline_cpu_percent, 8, 1)}"
                  f"  {_num(row.latency_ratio, 9)} {_num(row.bandwidth_ratio, 8)}")
+    if rate:
+        line += f"  {_num(row.messages_per_s, 10, 0)}"
+        if baseline:
+            line += f" {_num(row.baseline_messages_per_s, 10, 0)}"
+    if row.floor_latency_us is not None:
+        line += f"  {_num(row.floor_latency_us, 9)} {_num(row.floor_ratio, 7)}"
     return line
 
 
-def show_row(row: Row, baseline: bool, bar: ProgressBar) -> None:
+def show_row(row: Row, baseline: bool, bar: ProgressBar, *, rate: bool = False) -> None:
     """Print a row as soon as it is measured: flushed, since piped stdout would hold every
     row until the end of the sweep, and on a line of its own rather than after the bar."""
     bar.clear()
-    print(format_row(row, baseline), flush=True)
+    print(format_row(row, baseline, rate=rate), flush=True)
 
 
 def _plain(value: float | None, digits: int = 1) -> str:

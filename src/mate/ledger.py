@@ -57,9 +57,11 @@ class Ledger:
         self.mypid = 0
         self.closed = False
 
-    def attach(self, transport: Transport) -> None:
+    def attach(self, transport: Transport, mypid: int) -> None:
+        # The world reads `mypid` off the transport: a compiled read of an attribute that
+        # `Transport` declares would miss a Python subclass's class attribute.
         self._transport = transport
-        self.mypid = transport.mypid
+        self.mypid = mypid
 
     # -- the world's calls -----------------------------------------------------------------
 

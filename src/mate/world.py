@@ -51,8 +51,8 @@ class World:
                 f"{type(transport).__name__} runs handlers on the loop only"
             )
         self._transport = transport
-        self._ledger.attach(transport)
         self.mypid = transport.mypid
+        self._ledger.attach(transport, self.mypid)
         self.numprocs = transport.numprocs
         self.tag_max = transport.tag_max
 

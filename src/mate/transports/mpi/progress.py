@@ -461,9 +461,9 @@ class ThreadProgress(Progress):
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(engine, loop)
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="mate-mpi-progress",
+        self._worker = threading.Thread(target=self._run, name="mate-mpi-progress",
                                         daemon=True)
-        self._thread.start()
+        self._worker.start()
 
     def start(self) -> None:
         pass  # the thread runs from the start
@@ -498,4 +498,4 @@ class ThreadProgress(Progress):
         with self.engine.wake:
             self._stopping = True
             self.engine.wake.notify()
-        self._thread.join()
+        self._worker.join()

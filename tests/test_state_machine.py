@@ -318,6 +318,32 @@ class FakeTransport(Transport):
         pass
 
 
+class ClassAttributeTransport(FakeTransport):
+    """Says who it is with class attributes, as a Python subclass may."""
+
+    mypid, numprocs, tag_max = 1, 3, 50  # type: ignore[assignment]
+
+    def __init__(self) -> None:
+        self.posted = []
+        self.cancels = []
+        self.answer_cancel = False
+
+
+async def test_a_transport_may_say_who_it_is_with_class_attributes() -> None:
+    """The compiled ledger read Transport.mypid natively and missed a class attribute."""
+    world = World(asyncio.get_running_loop(), default_timeout=1.0, handlers="loop")
+    transport = ClassAttributeTransport()
+    transport.bind(world.sink)
+    world.attach(transport)
+    assert (world.mypid, world.numprocs, world.tag_max) == (1, 3, 50)
+    msg = world.send(b"abcd", 2, 7, timeout=None)
+    world.sink.submitted(msg)
+    world.sink.completed(msg, 4, 2, 7)
+    receipt = await msg
+    assert (receipt.local_pid, receipt.remote_pid, receipt.tag) == (1, 2, 7)
+    await world.shutdown()
+
+
 class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[Event | None, mate.Receipt, object]] = []

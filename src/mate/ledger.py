@@ -21,7 +21,6 @@ its data had already landed.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -187,12 +186,12 @@ class Ledger:
 
     def waiter(self, msg: Message, *, submission: bool) -> asyncio.Future[None] | None:
         """A future for a task that awaits `msg` (its submission if `submission`);
-        None if that has happened already. Cancelling it cancels the message."""
+        None if that has happened already. The awaiter cancels the message if the
+        future is cancelled (`mate.message.wait`)."""
         future = self._loop.create_future()
         with self._lock:
             if not msg.add_waiter(future, submission=submission):
                 return None
-        future.add_done_callback(functools.partial(_cancel_if_abandoned, msg))
         if self._transport is not None and not self.closed:
             self._transport.awaiting(msg, msg.done)
         return future
@@ -202,8 +201,3 @@ def _wake_all(futures: Waiters) -> None:
     for future in futures:
         if not future.done():
             future.set_result(None)
-
-
-def _cancel_if_abandoned(msg: Message, future: asyncio.Future[None]) -> None:
-    if future.cancelled():
-        msg.cancel()

@@ -150,7 +150,7 @@ class Message(Operation):
         if not self._state.terminal:
             future = self._ledger.waiter(self, submission=False)
             if future is not None:
-                yield from future.__await__()
+                yield from wait(self, future)
         return self.outcome()
 
     def outcome(self) -> Receipt:
@@ -224,6 +224,18 @@ class Message(Operation):
                 f"len={len(self.buffer)} {self._state.name}>")
 
 
+def wait(msg: Message, future: asyncio.Future[None]) -> Generator[Any, None, None]:
+    """Await `future`, an awaiter of `msg`: a task cancelled while it waits (its
+    future cancelled) cancels the message. Done here rather than by a done callback
+    on the future, which would cost a loop callback on every wake-up."""
+    try:
+        yield from future.__await__()
+    except asyncio.CancelledError:
+        if future.cancelled():
+            msg.cancel()
+        raise
+
+
 class _Submitted:
     """`await msg.submitted`: returns the submission receipt once the buffer is free."""
 
@@ -237,7 +249,7 @@ class _Submitted:
         if not msg.submitted_seen and not msg.done():
             future = msg._ledger.waiter(msg, submission=True)
             if future is not None:
-                yield from future.__await__()
+                yield from wait(msg, future)
         if msg.submitted_seen:
             return msg.receipt_for(Event.SUBMISSION)
         return msg.outcome()  # ended without submission: raises its outcome

@@ -32,7 +32,7 @@ from mate.entry import EntryQueue
 from mate.errors import FailureReason
 from mate.machine import Input
 from mate.message import Message, Waiters
-from mate.schedule import Op, State
+from mate.schedule import NO_SCHEDULE, Op, State
 from mate.transports.base import Operation, Report, Transport, failure
 
 logger = logging.getLogger("mate")
@@ -175,10 +175,12 @@ class Ledger:
         if step.ask_cancel:
             assert self._transport is not None
             self._transport.cancel(msg)
-        for event in step.events:
-            handler, data = msg.schedule.handler_for(event)
-            if handler is not None:
-                self.dispatcher.dispatch(handler, msg.receipt_for(event), data)
+        schedule = msg.schedule
+        if schedule is not NO_SCHEDULE:
+            for event in step.events:
+                handler, data = schedule.handler_for(event)
+                if handler is not None:
+                    self.dispatcher.dispatch(handler, msg.receipt_for(event), data)
         if woken:
             self._entry.call_on_loop(_wake_all, woken)
 

@@ -96,6 +96,11 @@ class Schedule:
         return self.failure, self.failure_data
 
 
+#: The schedule of a message posted without one: no handlers, so the core skips the
+#: lookup of each event's handler (it checks identity, not emptiness).
+NO_SCHEDULE = Schedule()
+
+
 @attrs.frozen
 class Receipt:
     """What is known of a message at one event; wildcards are filled in at completion."""

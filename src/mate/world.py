@@ -24,10 +24,9 @@ from mate.dispatch import MODES
 from mate.errors import InvalidArgument
 from mate.ledger import Ledger
 from mate.message import Message
-from mate.schedule import Op, Region, Schedule
+from mate.schedule import NO_SCHEDULE, Op, Region, Schedule
 from mate.transports.base import Sink, Transport
 
-_NO_SCHEDULE = Schedule()
 Timeout = float | None | UnsetType
 
 
@@ -165,7 +164,7 @@ class World:
     def _post(self, transport: Transport, op: Op, view: memoryview, peer: int, tag: int,
               address: int, schedule: Schedule | None, timeout: Timeout) -> Message:
         if schedule is None:
-            schedule = _NO_SCHEDULE
+            schedule = NO_SCHEDULE
         elif not isinstance(schedule, Schedule):
             raise InvalidArgument(f"schedule must be a mate.Schedule or None, not {schedule!r}")
         if timeout is UNSET:

@@ -320,24 +320,52 @@ async def exchange(world: mate.World, n: int, out: memoryview, into: memoryview,
 # -- raw mpi4py --------------------------------------------------------------------------
 
 
-class RawBench:
+class _MpiPhases:
+    """The phase protocol of a side that runs on raw mpi4py (the baseline, the floor):
+    headers and acknowledgements by blocking calls, on a communicator of its own."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.buffers = Buffers(sizes)
+        self.header = bytearray(HEADER.size)
+        self.ack = bytearray(HEADER.size)
+
+    def _start(self, iterations: int, size: int) -> None:
+        """Rank 0: announce a batch to rank 1 and wait until it is ready."""
+        HEADER.pack_into(self.header, 0, iterations, size)
+        self.comm.Send(self.header, 1, CONTROL_TAG)
+        self.comm.Recv(self.ack, 1, CONTROL_TAG)
+
+    def end_phase(self, size: int) -> None:
+        HEADER.pack_into(self.header, 0, 0, size)
+        self.comm.Send(self.header, 1, CONTROL_TAG)
+
+    def _next_batch(self) -> tuple[int, memoryview, memoryview] | None:
+        """Rank 1: the next batch's iterations and buffers, once acknowledged; None at
+        the end of the phase."""
+        self.comm.Recv(self.header, 0, CONTROL_TAG)
+        n, size = HEADER.unpack(self.header)
+        if n == 0:
+            return None
+        self.comm.Send(self.ack, 0, CONTROL_TAG)
+        return n, self.buffers.outs[size], self.buffers.intos[size]
+
+
+class RawBench(_MpiPhases):
     """One rank's side of a pattern in raw mpi4py: blocking or request-based calls on
     a communicator (and for put/get a dynamic window) of its own."""
 
     def __init__(self, pattern: str, wait: str, sizes: list[int], idle: float,
                  window: int = DEFAULT_WINDOW) -> None:
-        from mpi4py import MPI
-
-        self.MPI = MPI
+        super().__init__(sizes)
         self.pattern = pattern
         self.window = window
         self.submission = wait == "submission"
         self.idle = idle
-        self.comm = MPI.COMM_WORLD.Dup()
         self.rank = self.comm.Get_rank()
-        self.buffers = Buffers(sizes)
-        self.header = bytearray(HEADER.size)
-        self.ack = bytearray(HEADER.size)
         self.win: Any = None
         self.address = 0
 
@@ -367,15 +395,6 @@ class RawBench:
         self.comm.Free()
 
     # -- rank 0 ------------------------------------------------------------------------
-
-    def _start(self, iterations: int, size: int) -> None:
-        HEADER.pack_into(self.header, 0, iterations, size)
-        self.comm.Send(self.header, 1, CONTROL_TAG)
-        self.comm.Recv(self.ack, 1, CONTROL_TAG)
-
-    def end_phase(self, size: int) -> None:
-        HEADER.pack_into(self.header, 0, 0, size)
-        self.comm.Send(self.header, 1, CONTROL_TAG)
 
     def batch(self, size: int) -> Batch:
         MPI, comm, win = self.MPI, self.comm, self.win
@@ -429,15 +448,10 @@ class RawBench:
     # -- rank 1 ------------------------------------------------------------------------
 
     def serve_phase(self) -> None:
-        comm, header, MPI = self.comm, self.header, self.MPI
+        comm, MPI = self.comm, self.MPI
         send = comm.Send if self.submission else comm.Ssend
-        while True:
-            comm.Recv(header, 0, CONTROL_TAG)
-            n, size = HEADER.unpack(header)
-            if n == 0:
-                return
-            out, into = self.buffers.outs[size], self.buffers.intos[size]
-            comm.Send(self.ack, 0, CONTROL_TAG)
+        while (batch := self._next_batch()) is not None:
+            n, out, into = batch
             if self.pattern == "pingpong":
                 recv = comm.Recv
                 for _ in range(n):
@@ -487,16 +501,8 @@ async def await_request(request: Any) -> None:
     await future
 
 
-class FloorBench:
+class FloorBench(_MpiPhases):
     """One rank's side of the floor ping-pong, on a communicator of its own."""
-
-    def __init__(self, sizes: list[int]) -> None:
-        from mpi4py import MPI
-
-        self.comm = MPI.COMM_WORLD.Dup()
-        self.buffers = Buffers(sizes)
-        self.header = bytearray(HEADER.size)
-        self.ack = bytearray(HEADER.size)
 
     def teardown(self) -> None:
         self.comm.Free()
@@ -505,9 +511,7 @@ class FloorBench:
         comm, out, into = self.comm, self.buffers.outs[size], self.buffers.intos[size]
 
         async def timed(n: int) -> Sample:
-            HEADER.pack_into(self.header, 0, n, size)
-            comm.Send(self.header, 1, CONTROL_TAG)
-            comm.Recv(self.ack, 1, CONTROL_TAG)
+            self._start(n, size)
             start = clock()
             for _ in range(n):
                 reply = comm.Irecv(into, 1, DATA_TAG)
@@ -517,19 +521,10 @@ class FloorBench:
 
         return timed
 
-    def end_phase(self, size: int) -> None:
-        HEADER.pack_into(self.header, 0, 0, size)
-        self.comm.Send(self.header, 1, CONTROL_TAG)
-
     async def serve_phase(self) -> None:
-        comm, header = self.comm, self.header
-        while True:
-            comm.Recv(header, 0, CONTROL_TAG)
-            n, size = HEADER.unpack(header)
-            if n == 0:
-                return
-            out, into = self.buffers.outs[size], self.buffers.intos[size]
-            comm.Send(self.ack, 0, CONTROL_TAG)
+        comm = self.comm
+        while (batch := self._next_batch()) is not None:
+            n, out, into = batch
             for _ in range(n):
                 await await_request(comm.Irecv(into, 0, DATA_TAG))
                 await await_request(comm.Issend(out, 0, DATA_TAG))

@@ -3,18 +3,15 @@
 The per-message path -- the core's ledger, message, matching, deadlines,
 handler dispatch and loop entry, the transport contract, the ibverbs
 transport's engine, wire format, soft device, transport, progress and pin
-cache, and the MPI transport's progress engine and reporter -- is compiled to
-C with mypyc when mate is installed (setup.py; ``MATE_COMPILE=0`` installs
-pure Python, as does a build with no C compiler). The code is the same: each
-compiled module is its own source, type-checked by mypy --strict, and runs as
-Python wherever it is not compiled. `mate.world`, the API in front of the
-ledger, stays Python: compiled, its public calls would refuse arguments of the
-wrong type with a TypeError at the call boundary, before `mate.arguments` can
-answer InvalidArgument, and its reads of a `Transport`'s class attributes
-would miss a Python subclass's overrides. The MPI transport's `transport`
-module stays Python too: its tests replace one of its methods to inject a
-fault, which a compiled class does not allow, and its cost is small beside its
-progress.
+cache, and the MPI transport's transport, progress engine and reporter -- is
+compiled to C with mypyc when mate is installed (setup.py; ``MATE_COMPILE=0``
+installs pure Python, as does a build with no C compiler). The code is the
+same: each compiled module is its own source, type-checked by mypy --strict,
+and runs as Python wherever it is not compiled. `mate.world`, the API in front
+of the ledger, stays Python: compiled, its public calls would refuse arguments
+of the wrong type with a TypeError at the call boundary, before
+`mate.arguments` can answer InvalidArgument, and its reads of a `Transport`'s
+class attributes would miss a Python subclass's overrides.
 
 The build records each compiled source's SHA-256 in ``_native.json`` beside
 this file. Importing this module (``mate/__init__`` does it first) puts a
@@ -61,6 +58,7 @@ COMPILED = (
     "mate.transports.ibverbs.wire",
     "mate.transports.mpi.progress",
     "mate.transports.mpi.reports",
+    "mate.transports.mpi.transport",
 )
 RECORD = "_native.json"  # beside this file: {module: sha256 of the source compiled}
 PURE_VARIABLE = "MATE_PURE_PYTHON"

@@ -43,6 +43,9 @@ HERE = Path(__file__).resolve().parent
 LATENCY_SIZE = 8
 BANDWIDTH_SIZE = 4 * 1024 * 1024
 RUN_TIMEOUT = 1800  # seconds for one run
+# The rate runs' sizes, after the common ones (argparse keeps the last): windows of 64
+# messages of several MiB would measure bandwidth again, not the message rate.
+RATE_SIZES = ["--sizes", "1:64K"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ def standard_runs(common: list[str]) -> list[Run]:
                         ("rate-thread", ["--progress", "thread"]),
                         ("rate-poll-handlers", ["--progress", "poll", "--handlers"])):
         runs.append(Run(name, ["-m", "mate.bench", "rate", "--transport", "mpi", *extra,
-                               "--baseline", *_sizes_up_to(common, "64K")]))
+                               "--baseline", *common, *RATE_SIZES]))
     for pattern in ("put", "get"):
         for progress in ("poll", "thread"):
             for rma in ("native", "emulated"):
@@ -86,20 +89,13 @@ def standard_runs(common: list[str]) -> list[Run]:
                             ["-m", "mate.bench", pattern, *ibverbs, "--progress", progress,
                              *common]))
     runs.append(Run("ibverbs-rate-loop", ["-m", "mate.bench", "rate", *ibverbs, "--progress",
-                                          "loop", *_sizes_up_to(common, "64K")]))
+                                          "loop", *common, *RATE_SIZES]))
     for progress in ("loop", "thread"):
         runs.append(Run(f"ibverbs-wait-{progress}",
                         ["-m", "mate.bench", "wait", *ibverbs, "--progress", progress,
                          "--repetitions", "3"]))
     runs.append(Run("pingpong-tcp-loopback", ["-m", "mate.bench.tcp", *common]))
     return runs
-
-
-def _sizes_up_to(common: list[str], largest: str) -> list[str]:
-    """`common` with its sizes cut at `largest` (the rate pattern's windows of 64)."""
-    at = common.index("--sizes")
-    low = common[at + 1].split(":")[0] if ":" in common[at + 1] else "1"
-    return [*common[:at], "--sizes", f"{low}:{largest}", *common[at + 2:]]
 
 
 # -- the summary ------------------------------------------------------------------------------

@@ -42,33 +42,37 @@ class Ledger:
     def __init__(self, loop: asyncio.AbstractEventLoop, handlers: str) -> None:
         self._loop = loop
         self._entry = EntryQueue(loop)
-        self.dispatcher = Dispatcher(loop, handlers, self._entry)
+        self._dispatcher = Dispatcher(loop, handlers, self._entry)
         # Handlers in the progress thread: reports are applied where they come from.
         self._at_once = handlers == "progress"
-        self.deadlines: Deadlines = (ThreadDeadlines(self._expire) if self._at_once
-                                     else LoopDeadlines(loop, self._expire))
+        self._deadlines: Deadlines = (ThreadDeadlines(self._expire) if self._at_once
+                                      else LoopDeadlines(loop, self._expire))
         self._lock = threading.Lock()  # guards message states, waiters, the outstanding set
         self._outstanding: set[Message] = set()
         # Counters for stats(): [messages, bytes] completed by op, and other endings.
         self._completed = {op: [0, 0] for op in Op}
         self._endings = {State.TIMED_OUT: 0, State.FAILED: 0, State.CANCELLED: 0}
-        self._transport: Transport | None = None
+        self.transport: Transport | None = None  # the world's, set by attach
         self.mypid = 0
         self.closed = False
 
     def attach(self, transport: Transport, mypid: int) -> None:
         # The world reads `mypid` off the transport: a compiled read of an attribute that
         # `Transport` declares would miss a Python subclass's class attribute.
-        self._transport = transport
+        self.transport = transport
         self.mypid = mypid
 
     # -- the world's calls -----------------------------------------------------------------
 
-    def post(self, transport: Transport, msg: Message) -> Message:
+    def post(self, msg: Message) -> Message:
+        """Record `msg`, arm its deadline and hand it to the transport (the world
+        checked that there is one, open)."""
+        transport = self.transport
+        assert transport is not None
         with self._lock:
             self._outstanding.add(msg)
         if msg.deadline is not None:
-            self.deadlines.arm(msg, msg.deadline)
+            self._deadlines.arm(msg, msg.deadline)
         transport.post(msg)
         return msg
 
@@ -83,13 +87,16 @@ class Ledger:
             counters["cancelled"] = self._endings[State.CANCELLED]
         return counters
 
-    def end_all(self) -> None:
-        """Shutdown: end every outstanding message, with no events."""
+    async def close(self) -> None:
+        """Shutdown: end every outstanding message with no events, disarm the
+        deadlines, and stop the handlers (their tasks cancelled and awaited)."""
         self.closed = True
         with self._lock:
             outstanding = list(self._outstanding)
         for msg in outstanding:
             self.advance(msg, Input.SHUTDOWN)
+        self._deadlines.close()
+        await self._dispatcher.close()
 
     def _expire(self, msg: Message) -> None:
         """Its deadline passed (the loop's or the timeout thread's clock)."""
@@ -170,17 +177,17 @@ class Ledger:
                 else:
                     self._endings[step.state] += 1
                 if msg.deadline is not None:
-                    self.deadlines.ended()
+                    self._deadlines.ended()
             woken = msg.take_waiters() if step.events or ended else None
         if step.ask_cancel:
-            assert self._transport is not None
-            self._transport.cancel(msg)
+            assert self.transport is not None
+            self.transport.cancel(msg)
         schedule = msg.schedule
         if schedule is not NO_SCHEDULE:
             for event in step.events:
                 handler, data = schedule.handler_for(event)
                 if handler is not None:
-                    self.dispatcher.dispatch(handler, msg.receipt_for(event), data)
+                    self._dispatcher.dispatch(handler, msg.receipt_for(event), data)
         if woken:
             self._entry.call_on_loop(_wake_all, woken)
 
@@ -194,8 +201,8 @@ class Ledger:
         with self._lock:
             if not msg.add_waiter(future, submission=submission):
                 return None
-        if self._transport is not None and not self.closed:
-            self._transport.awaiting(msg, msg.done)
+        if self.transport is not None and not self.closed:
+            self.transport.awaiting(msg, msg.done)
         return future
 
 

@@ -41,7 +41,6 @@ class World:
         self.handlers = arguments.choice(handlers, "handlers", MODES)
         self._ledger = Ledger(loop, self.handlers)
         self._exposed: Counter[Region] = Counter()
-        self._transport: Transport | None = None
 
     def attach(self, transport: Transport) -> None:
         if self.handlers == "progress" and not transport.supports_progress_handlers:
@@ -49,7 +48,6 @@ class World:
                 f'handlers="progress" needs a transport with a progress thread; '
                 f"{type(transport).__name__} runs handlers on the loop only"
             )
-        self._transport = transport
         self.mypid = transport.mypid
         self._ledger.attach(transport, self.mypid)
         self.numprocs = transport.numprocs
@@ -82,38 +80,38 @@ class World:
 
         A send that times out may still have reached its destination.
         """
-        transport = self._open()
+        self._open()
         view = byte_view(buffer, writable=False, what="send buffer")
         dest = arguments.rank(dest, "dest", self.numprocs, wildcard=False)
-        tag = arguments.tag(tag, transport.tag_max, wildcard=False)
-        return self._post(transport, Op.SEND, view, dest, tag, 0, schedule, timeout)
+        tag = arguments.tag(tag, self.tag_max, wildcard=False)
+        return self._post(Op.SEND, view, dest, tag, 0, schedule, timeout)
 
     def recv(self, buffer: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG, *,
              schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
         """Receive into `buffer` a message from `source` with `tag` (wildcards allowed)."""
-        transport = self._open()
+        self._open()
         view = byte_view(buffer, writable=True, what="recv buffer")
         source = arguments.rank(source, "source", self.numprocs, wildcard=True)
-        tag = arguments.tag(tag, transport.tag_max, wildcard=True)
-        return self._post(transport, Op.RECV, view, source, tag, 0, schedule, timeout)
+        tag = arguments.tag(tag, self.tag_max, wildcard=True)
+        return self._post(Op.RECV, view, source, tag, 0, schedule, timeout)
 
     def put(self, buffer: Any, dest: int, address: int, *,
             schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
         """Write `buffer` into `dest`'s exposed memory at `address`."""
-        transport = self._open()
+        self._open()
         view = byte_view(buffer, writable=False, what="put buffer")
         dest = arguments.rank(dest, "dest", self.numprocs, wildcard=False)
         address = arguments.address(address, len(view))
-        return self._post(transport, Op.PUT, view, dest, 0, address, schedule, timeout)
+        return self._post(Op.PUT, view, dest, 0, address, schedule, timeout)
 
     def get(self, buffer: Any, source: int, address: int, *,
             schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
         """Read `source`'s exposed memory at `address` into `buffer`."""
-        transport = self._open()
+        self._open()
         view = byte_view(buffer, writable=True, what="get buffer")
         source = arguments.rank(source, "source", self.numprocs, wildcard=False)
         address = arguments.address(address, len(view))
-        return self._post(transport, Op.GET, view, source, 0, address, schedule, timeout)
+        return self._post(Op.GET, view, source, 0, address, schedule, timeout)
 
     def expose(self, buffer: Any) -> Region:
         """Make `buffer` a target of peers' put and get; no collective call."""
@@ -148,21 +146,20 @@ class World:
         ledger = self._ledger
         if ledger.closed:
             return
-        ledger.end_all()
-        ledger.deadlines.close()
-        await ledger.dispatcher.close()
-        if self._transport is not None:
-            await self._transport.shutdown()
+        await ledger.close()
+        if ledger.transport is not None:
+            await ledger.transport.shutdown()
 
     # -- argument checks -----------------------------------------------------------
 
     def _open(self) -> Transport:
-        if self._ledger.closed or self._transport is None:
+        transport = self._ledger.transport
+        if self._ledger.closed or transport is None:
             raise InvalidArgument("this world has been shut down")
-        return self._transport
+        return transport
 
-    def _post(self, transport: Transport, op: Op, view: memoryview, peer: int, tag: int,
-              address: int, schedule: Schedule | None, timeout: Timeout) -> Message:
+    def _post(self, op: Op, view: memoryview, peer: int, tag: int, address: int,
+              schedule: Schedule | None, timeout: Timeout) -> Message:
         if schedule is None:
             schedule = NO_SCHEDULE
         elif not isinstance(schedule, Schedule):
@@ -175,11 +172,11 @@ class World:
             seconds = arguments.seconds(timeout, "timeout")
         deadline = None if seconds is None else time.monotonic() + seconds
         ledger = self._ledger
-        return ledger.post(transport, Message(ledger, op, view, peer, tag, address, schedule,
-                                              deadline))
+        return ledger.post(Message(ledger, op, view, peer, tag, address, schedule, deadline))
 
     def __repr__(self) -> str:
-        name = type(self._transport).__name__ if self._transport else "unattached"
+        transport = self._ledger.transport
+        name = type(transport).__name__ if transport else "unattached"
         state = "shut down" if self._ledger.closed else "open"
         return f"<World {self.mypid}/{self.numprocs} {name} {state}>"
 

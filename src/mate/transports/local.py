@@ -30,7 +30,7 @@ import enum
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mate import arguments
+from mate import arguments, debug
 from mate.buffers import address_of
 from mate.constants import ANY_SOURCE
 from mate.errors import FailureReason, InvalidArgument
@@ -84,6 +84,7 @@ class LocalTransport(Transport):
         self.eager_limit = eager_limit
         self._sink = sink
         self._loop = loop
+        self._hot_spot = debug.hot_spot_hook()
         self._posted: PostedReceives[Operation] = PostedReceives()
         self._unexpected: UnexpectedMessages[_Arrival] = UnexpectedMessages()
         self._regions: list[tuple[Region, memoryview]] = []
@@ -102,6 +103,8 @@ class LocalTransport(Transport):
         self._loop.call_soon(self._carry_out, msg)
 
     def _carry_out(self, msg: Operation) -> None:
+        if self._hot_spot is not None:
+            self._hot_spot("local.carry_out")
         if msg.transport_data is not _Stage.QUEUED or self.fabric.ranks[self.mypid] is not self:
             return  # cancelled while queued, or this rank was shut down
         msg.transport_data = _Stage.DONE
@@ -114,6 +117,8 @@ class LocalTransport(Transport):
             self._one_sided(msg)
 
     def cancel(self, msg: Operation) -> None:
+        if self._hot_spot is not None:
+            self._hot_spot("local.cancel")
         stage = msg.transport_data
         if stage is _Stage.QUEUED:
             msg.transport_data = _Stage.CANCELLED

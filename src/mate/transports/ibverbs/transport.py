@@ -25,6 +25,7 @@ import asyncio
 import threading
 from typing import Any
 
+from mate import debug
 from mate.schedule import Region
 from mate.transports.base import Operation, Report, Sink, Transport
 from mate.transports.ibverbs.engine import Engine
@@ -79,6 +80,7 @@ class IbverbsTransport(Transport):
         self.tag_max = 2**31 - 1
         self._sink = sink
         self._loop = loop
+        self._hot_spot = debug.hot_spot_hook()
         self._device = device
         self._channel = channel
         self._cqs = (recv_cq, send_cq)
@@ -107,6 +109,8 @@ class IbverbsTransport(Transport):
     # -- the core's calls ----------------------------------------------------------------
 
     def post(self, op: Operation) -> None:
+        if self._hot_spot is not None:
+            self._hot_spot("ibverbs.post")
         with self._lock:
             if self._closed:
                 return
@@ -120,6 +124,8 @@ class IbverbsTransport(Transport):
             self._progress.posted()
 
     def cancel(self, op: Operation) -> None:
+        if self._hot_spot is not None:
+            self._hot_spot("ibverbs.cancel")
         with self._lock:
             if self._closed:
                 return
@@ -203,6 +209,8 @@ class IbverbsTransport(Transport):
             reports = self._pending + self._engine.take_reports()
             self._pending = []
         if reports:
+            if self._hot_spot is not None:
+                self._hot_spot("ibverbs.pass")
             self._sink.report_all(reports)
             moved = True
         return moved

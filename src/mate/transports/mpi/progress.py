@@ -51,6 +51,8 @@ from typing import Any
 
 from mpi4py import MPI
 
+from mate.debug import HotSpotHook
+
 logger = logging.getLogger("mate")
 
 Action = Callable[[MPI.Status, "MPI.Exception | None"], None]
@@ -162,8 +164,10 @@ class Engine:
     """The outstanding requests, the work queued for the progress context, and one pass."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, mode: str,
-                 on_error: ErrorHandler, on_pass_end: Callable[[], None]) -> None:
+                 on_error: ErrorHandler, on_pass_end: Callable[[], None],
+                 hot_spot: HotSpotHook | None = None) -> None:
         self.mode = mode
+        self._hot_spot = hot_spot  # mate.debug: called between a test and its actions
         self._on_error = on_error
         self._on_pass_end = on_pass_end  # the transport hands the pass's reports over
         self._live = _Requests()
@@ -268,6 +272,8 @@ class Engine:
             finished, error = self._live.testsome()
             if finished:
                 moved = True
+                if self._hot_spot is not None:
+                    self._hot_spot("mpi.pass")
                 self._run_actions(finished, error)
         if self._orphans and time.monotonic() >= self._next_orphan_test:
             self._next_orphan_test = time.monotonic() + ORPHAN_INTERVAL

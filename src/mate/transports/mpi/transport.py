@@ -42,6 +42,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from mate import debug
 from mate.constants import ANY_SOURCE, ANY_TAG
 from mate.errors import FailureReason
 from mate.schedule import Op, Region
@@ -74,6 +75,7 @@ class MpiTransport(Transport):
                  handlers: str, rma: str, eager_size: int, orphan_limit: int,
                  shutdown_timeout: float) -> None:
         self._sink = sink
+        self._hot_spot = debug.hot_spot_hook()
         self.eager_size = eager_size
         self.orphan_limit = orphan_limit
         self._orphans: Counter[int] = Counter()  # orphaned sends per destination
@@ -84,7 +86,8 @@ class MpiTransport(Transport):
         self.numprocs = self.comm.Get_size()
         self.tag_max = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
         self.report = Reporter(lambda: self._sink)  # the sink of the moment (see bind)
-        self.engine = Engine(loop, progress, self._contain, self.report.hand_over)
+        self.engine = Engine(loop, progress, self._contain, self.report.hand_over,
+                             self._hot_spot)
         self.control = ControlChannel(self.engine, self.tag_max, self._on_control)
         self.rma: Rma
         if rma == "native":
@@ -121,6 +124,8 @@ class MpiTransport(Transport):
     # -- two-sided -----------------------------------------------------------------------
 
     def post(self, msg: Operation) -> None:
+        if self._hot_spot is not None:
+            self._hot_spot("mpi.post")
         op = msg.op
         if op is Op.SEND:
             self._post_send(msg)
@@ -196,6 +201,8 @@ class MpiTransport(Transport):
         self.engine.call_at_once(self._cancel, msg, owner=msg)
 
     def _cancel(self, msg: Operation) -> None:
+        if self._hot_spot is not None:
+            self._hot_spot("mpi.cancel")
         if msg.op is Op.RECV:
             # None once the recv completed: its completion was reported, and wins.
             if isinstance(msg.transport_data, MPI.Request):

@@ -240,10 +240,20 @@ class LocalTransport(Transport):
     # -- shutdown --------------------------------------------------------------------
 
     async def shutdown(self) -> None:
+        self.leave()
+
+    def leave(self) -> None:
+        """Leave the fabric now: peers then see this rank as gone (PEER_UNREACHABLE).
+
+        Shutdown calls it once the world has ended this rank's messages; a rank
+        that `mate.faults` kills in place calls it with them still outstanding:
+        they are taken out of the tables all the same, and never reported.
+        """
         fabric = self.fabric
         if fabric.ranks[self.mypid] is not self:
             return
-        # The world ended our own messages: take them out of the tables they wait in.
+        # Our own messages end without us (the world ended them, or is dead):
+        # take them out of the tables they wait in.
         for recv in self._posted.items():
             source = fabric.ranks[recv.peer] if recv.peer != ANY_SOURCE else None
             if source is not None:

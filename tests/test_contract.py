@@ -149,3 +149,42 @@ async def test_reports_from_another_thread_hop_once_and_a_bad_one_fails_alone() 
         loop.call_soon_threadsafe = original  # type: ignore[method-assign]
     assert hops == 1
     await world.shutdown()
+
+
+class _SlowToPost(_Silent):
+    """A threaded wire that takes a while to post, and can stop only what it was given."""
+
+    supports_progress_handlers = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.posted: set[Operation] = set()
+        self.unknown_cancels = 0
+
+    def post(self, op: Operation) -> None:
+        time.sleep(0.05)  # long enough for a zero timeout to fire meanwhile
+        self.posted.add(op)
+
+    def cancel(self, op: Operation) -> None:
+        if op not in self.posted:  # as MPI's transport finds no request yet: nothing to stop
+            self.unknown_cancels += 1
+            return
+        self.sink.cancelled(op)
+
+
+async def test_a_deadline_is_armed_only_once_the_transport_has_the_message() -> None:
+    """Found by the soak run (issue 12): with handlers="progress" the timeout thread
+    expired a zero-timeout receive before `transport.post` had run, the transport was
+    asked to cancel what it did not have, and the receive never ended (MPI and ibverbs
+    in thread mode). The deadline is armed after the post: the cancel comes after it."""
+    world = World(asyncio.get_running_loop(), default_timeout=1.0, handlers="progress")
+    wire = _SlowToPost()
+    wire.bind(world.sink)
+    world.attach(wire)
+    try:
+        recv = world.recv(bytearray(4), 1, 3, timeout=0.0)
+        with pytest.raises(mate.MessageTimeout):
+            await asyncio.wait_for(recv, 2)
+        assert wire.unknown_cancels == 0
+    finally:
+        await world.shutdown()

@@ -170,3 +170,39 @@ async def test_shutdown_does_not_wait_for_a_peer_that_went_away(fabric: Fabric) 
 
     async with fabric.open(shutdown_timeout=0.3) as group:
         await group.run(program)
+
+
+async def test_unexpose_survives_a_revoke_ack_that_comes_back_at_once(
+        fabric: Fabric, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the soak run (issue 12): with native RMA in thread mode, the progress
+    thread took the peer's RevokeAck out of the very set that unexpose was still looping
+    over to send its Revokes, and unexpose raised RuntimeError. Here the control channel
+    sleeps after sending a Revoke (releasing the GIL), so the ack is back every time."""
+    from mate.transports.mpi import control
+
+    send = control.ControlChannel.send
+
+    def slow(self: control.ControlChannel, dest: int, message: control.Control,
+             tag: int = control.CONTROL_TAG) -> None:
+        send(self, dest, message, tag)
+        if isinstance(message, control.Revoke):
+            time.sleep(0.02)
+
+    monkeypatch.setattr(control.ControlChannel, "send", slow)
+
+    async def program(world: mate.World) -> None:
+        for _ in range(3):
+            if world.mypid == 1:
+                region = world.expose(bytearray(64))
+                await world.send(region.address.to_bytes(8, "little"), 0, tag=5)
+                await world.recv(bytearray(1), 0, tag=6)  # rank 0 holds the region table
+                await world.unexpose(region)
+            elif world.mypid == 0:
+                raw = bytearray(8)
+                await world.recv(raw, 1, tag=5)
+                await world.put(b"abcd", 1, int.from_bytes(raw, "little"))
+                await world.send(b"x", 1, tag=6)
+            await barrier(world)
+
+    async with fabric.open() as group:
+        await group.run(program)

@@ -65,15 +65,17 @@ class Ledger:
     # -- the world's calls -----------------------------------------------------------------
 
     def post(self, msg: Message) -> Message:
-        """Record `msg`, arm its deadline and hand it to the transport (the world
-        checked that there is one, open)."""
+        """Record `msg`, hand it to the transport (the world checked that there is one,
+        open) and arm its deadline. Armed only once posted: a timeout thread
+        (``handlers="progress"``) would otherwise ask the transport to cancel what it
+        has not been given, the cancel would be lost and the message never end."""
         transport = self.transport
         assert transport is not None
         with self._lock:
             self._outstanding.add(msg)
+        transport.post(msg)
         if msg.deadline is not None:
             self._deadlines.arm(msg, msg.deadline)
-        transport.post(msg)
         return msg
 
     def counters(self) -> dict[str, int]:

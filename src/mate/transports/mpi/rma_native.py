@@ -176,7 +176,9 @@ class NativeRma(Rma):
             self.readers.clear()
         if readers:
             future = asyncio.get_running_loop().create_future()
-            self.acks[epoch] = (readers, future)
+            # The acks' own copy: in thread mode the progress thread takes a RevokeAck
+            # out of it, maybe before this loop over the readers is done.
+            self.acks[epoch] = (set(readers), future)
             for peer in readers:
                 self.control.send(peer, Revoke(epoch))
             self.engine.drive_until(future.done)

@@ -15,6 +15,13 @@ test at once. The fabric also checks the credit protocol's two promises
 directly: a sender never holds more than `credits + 1` of a receiver's
 buffers (frames landed there and not yet reposted), and never has more than
 one CREDIT frame sent and not yet processed.
+
+A fabric may have an `adversary`: a rank whose frames may be anything
+(tests/test_wire_fuzz.py forges and mutates them). Lied to, an engine may
+break its credit promises towards that rank, so they are checked only
+between the others; a SEND on a link to it that finds the SRQ empty, or a
+receive buffer too short, fails as on a device (RNR retries exhausted, a
+length error) and breaks the link.
 """
 
 from __future__ import annotations
@@ -170,7 +177,7 @@ class _Wire:
         if wr.opcode is Opcode.SEND and _kind(wr.sge.addr) == Kind.CREDIT:
             key = self.rank.rank, peer
             self.fabric.credit_frames[key] = self.fabric.credit_frames.get(key, 0) + 1
-            if self.fabric.credit_frames[key] > 1:
+            if self.fabric.credit_frames[key] > 1 and self.fabric.trusted(*key):
                 raise FabricError("a second CREDIT frame before the first was acknowledged")
         qp.pending.append(wr)
         qp.unretired.append(wr)
@@ -181,8 +188,9 @@ class _Wire:
 
 class Fabric:
     def __init__(self, size: int, *, pin_limit: int = 1 << 30, max_send_wr: int = 1024,
-                 credits: int = 32, **kw: Any) -> None:
+                 credits: int = 32, adversary: int | None = None, **kw: Any) -> None:
         self.size = size
+        self.adversary = adversary
         self.max_send_wr = max_send_wr
         self.credits = credits
         self.held: dict[tuple[int, int], int] = {}  # (sender, receiver): buffers in use
@@ -199,6 +207,10 @@ class Fabric:
             rank.engine.start()
         self.steps = 0
         self.after_step: Callable[[], None] | None = None
+
+    def trusted(self, a: int, b: int) -> bool:
+        """Whether the link between `a` and `b` is held to the credit promises."""
+        return self.adversary not in (a, b)
 
     # -- the core's side -------------------------------------------------------------
 
@@ -269,7 +281,7 @@ class Fabric:
         if landed:
             buffer = r.engine._recv_wrs[wc.wr_id]
             if wc.byte_len >= 5 and _kind(buffer.sge.addr) == Kind.CREDIT:
-                self.credit_frames[peer, rank] -= 1
+                self.credit_frames[peer, rank] = self.credit_frames.get((peer, rank), 0) - 1
         elif wc.opcode is not WcOpcode.RECV:
             # retire this request and the unsignalled ones before it
             i = next(i for i, wr in enumerate(qp.unretired) if wr.wr_id == wc.wr_id)
@@ -298,24 +310,30 @@ class Fabric:
             need = Access.LOCAL_WRITE if wr.opcode is Opcode.RDMA_READ else Access(0)
             if local is None or not local.covers(sge.addr, n) or local.access & need != need:
                 status = WcStatus.LOC_PROT_ERR
-        if status is WcStatus.SUCCESS and wr.opcode is Opcode.SEND:
-            if not dst.srq:
+        trusted = self.trusted(qp.src, qp.dst)
+        if status is WcStatus.SUCCESS and wr.opcode is Opcode.SEND and not dst.srq:
+            if trusted:
                 raise FabricError(f"RNR: rank {qp.dst}'s SRQ is empty (from {qp.src})")
+            status = WcStatus.RNR_RETRY_EXC_ERR
+        if status is WcStatus.SUCCESS and wr.opcode is Opcode.SEND:
             recv = dst.srq.popleft()
             rmr = dst.pd.by_lkey.get(recv.sge.lkey)
             assert rmr is not None and rmr.covers(recv.sge.addr, recv.sge.length)
+            wc_status = WcStatus.SUCCESS
             if n > recv.sge.length:
-                raise FabricError("a frame longer than the receive buffer")
+                if trusted:
+                    raise FabricError("a frame longer than the receive buffer")
+                status, wc_status, n = WcStatus.REM_INV_REQ_ERR, WcStatus.LOC_LEN_ERR, 0
             if n:
                 assert sge is not None
                 ctypes.memmove(recv.sge.addr, sge.addr, n)
             key = qp.src, qp.dst
             self.held[key] = self.held.get(key, 0) + 1
-            if self.held[key] > self.credits + 1:
+            if self.held[key] > self.credits + 1 and trusted:
                 raise FabricError(f"rank {qp.src} holds {self.held[key]} of rank {qp.dst}'s "
                                   f"receive buffers (credits {self.credits})")
             self.rcq[qp.dst, qp.src].append(WorkCompletion(
-                recv.wr_id, WcStatus.SUCCESS, WcOpcode.RECV, n, qp.dst * 1000 + qp.src))
+                recv.wr_id, wc_status, WcOpcode.RECV, n, qp.dst * 1000 + qp.src))
         elif status is WcStatus.SUCCESS and n:
             need = Access.REMOTE_READ if wr.opcode is Opcode.RDMA_READ else Access.REMOTE_WRITE
             remote = dst.pd.by_rkey.get(wr.rkey)

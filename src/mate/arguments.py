@@ -24,9 +24,13 @@ def seconds(value: Any, what: str) -> float:
     """A finite, non-negative number of seconds."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgument(f"{what} must be a number of seconds, not {value!r}")
-    if not math.isfinite(value) or value < 0:
+    try:
+        result = float(value)
+    except OverflowError:  # an int beyond every float
+        result = math.inf
+    if not math.isfinite(result) or result < 0:
         raise InvalidArgument(f"{what} must be finite and >= 0, not {value!r}")
-    return float(value)
+    return result
 
 
 def probability(value: Any, what: str) -> float:

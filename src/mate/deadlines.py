@@ -161,7 +161,9 @@ class ThreadDeadlines(Deadlines):
                     finally:
                         self._wake.acquire()
                 elif self._heap:
-                    self._wake.wait(self._heap[0][0] - now)
+                    # Capped: a longer wait raises (threading.TIMEOUT_MAX) and would kill
+                    # the clock of every message; after the cap it simply waits again.
+                    self._wake.wait(min(self._heap[0][0] - now, threading.TIMEOUT_MAX))
                 else:
                     self._wake.wait()
 

@@ -190,7 +190,7 @@ def choose(name: str | None) -> Entry:
     if name is None:
         name = os.environ.get("MATE_TRANSPORT") or next(
             (entry.name for entry in TRANSPORTS.values() if entry.detect()), "local")
-    if name not in TRANSPORTS:
+    if not isinstance(name, str) or name not in TRANSPORTS:  # (a list cannot even be looked up)
         raise InvalidArgument(f"unknown transport {name!r}; available: {tuple(TRANSPORTS)}")
     return TRANSPORTS[name]
 

@@ -98,13 +98,18 @@ async def exchange(blob: Any, environ: Mapping[str, str] | None = None) -> list[
         table: list[Any] = await asyncio.to_thread(_mpi_world().allgather, blob)
         return table
     rank, _ = rank_and_size(environ)
-    address = environ[RENDEZVOUS]
-    host, _, port = address.rpartition(":")
-    reader, writer = await asyncio.open_connection(host, int(port), limit=LINE_LIMIT)
+    host, _, port = environ[RENDEZVOUS].rpartition(":")
+    try:
+        secret = environ[SECRET]
+        bytes.fromhex(secret)  # checked before the rendezvous sees anything of this rank
+        port_number = int(port)
+    except (KeyError, ValueError) as exc:
+        raise InvalidArgument(f"mate-run's environment is incomplete: {exc!r}") from None
+    reader, writer = await asyncio.open_connection(host, port_number, limit=LINE_LIMIT)
     try:
         challenge = (await _read(reader))["challenge"]
         writer.write(_frame({"rank": rank,
-                             "proof": _proof(environ[SECRET], challenge), "blob": blob}))
+                             "proof": _proof(secret, challenge), "blob": blob}))
         await writer.drain()
         reply = await _read(reader)
     finally:
@@ -152,7 +157,7 @@ class Rendezvous:
             if not (isinstance(rank, int) and 0 <= rank < self.size) or rank in members:
                 raise PermissionError(f"bad or repeated rank {rank!r}")
         except (PermissionError, KeyError, TypeError, ValueError, ConnectionError,
-                asyncio.TimeoutError) as exc:
+                asyncio.TimeoutError, RecursionError) as exc:  # (JSON nested too deep)
             self.refused += 1
             logger.warning("mate-run: rendezvous refused a connection: %s", exc)
             with contextlib.suppress(ConnectionError):

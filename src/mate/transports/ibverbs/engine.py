@@ -84,8 +84,11 @@ everything still going on with that peer, drops its FIFO and its unexpected
 RTSs, and counts it as having acked every revoke; receives from ANY_SOURCE
 stay. Frames from a lost peer are dropped. A malformed frame means its sender
 is broken: it is treated as lost (counted in `protocol_errors`; the QP itself
-is the driver's). A post that the device refuses (QP not in RTS) loses that
-peer the same way.
+is the driver's). So does a frame that no correct peer sends where it
+arrives: an RTS with an id its sender still has unmatched here, a FIN or
+CANCEL_ACK for a send that went to another rank, a CANCEL_ACK for a send
+whose cancel was not asked, an answer to a key request that was not made. A
+post that the device refuses (QP not in RTS) loses that peer the same way.
 
 Liveness. An RC QP learns that its peer is gone only from a work request
 that fails; a rank that merely waits on a peer (a receive from it, a
@@ -854,6 +857,9 @@ class Engine:
     def _control_arrived(self, h: Header) -> None:
         src, kind = h.source, h.kind
         if kind == Kind.RTS:
+            if (src, h.msg_id) in self._rts:  # a sender never reuses an id
+                self._broken_peer(src, f"rank {src} sent RTS {h.msg_id} twice")
+                return
             arrival = _Arrival(src, h.tag, h.length, None, h.msg_id, h.addr, h.rkey)
             rec = self._posted.match(src, h.tag)
             if rec is None:
@@ -861,6 +867,8 @@ class Engine:
                 self._rts[src, h.msg_id] = arrival
             else:
                 self._start_read(rec, arrival)
+        elif kind in (Kind.FIN, Kind.CANCEL_ACK) and self._unasked(src, kind, h.msg_id):
+            self._broken_peer(src, f"rank {src} sent a {Kind(kind).name} nobody asked for")
         elif kind == Kind.FIN:
             rec = self._rdv.pop(h.msg_id, None)
             if rec is not None:
@@ -898,6 +906,13 @@ class Engine:
                 x.waiting.discard(src)
                 if not x.waiting:
                     self._unexposed(x)
+
+    def _unasked(self, src: int, kind: int, msg_id: int) -> bool:
+        """Whether this FIN or CANCEL_ACK from `src` answers nothing it may: a rendezvous
+        send of ours to another rank, or a cancel we never asked for."""
+        rec = self._rdv.get(msg_id)
+        return rec is not None and (rec.peer != src
+                                    or (kind == Kind.CANCEL_ACK and not rec.cancel_sent))
 
     def _key_asked(self, src: int, h: Header) -> None:
         for x in self._exposed.values():

@@ -401,7 +401,10 @@ class _PeerDirect:
             return _SUCCESS
         need = _REMOTE_WRITE if write else _REMOTE_READ
         table = self._table
-        table.lock(rkey)
+        try:
+            table.lock(rkey)
+        except OSError:  # the file the peer named is no MR table: it grants no key
+            return WcStatus.REM_ACCESS_ERR
         try:
             if not table.allows(rkey, need, remote, length, self._pd):
                 return WcStatus.REM_ACCESS_ERR
@@ -412,6 +415,8 @@ class _PeerDirect:
                     _memmove(local, remote, length)
                 return _SUCCESS
             err = self._memory.copy(write, local, remote, length)
+        except OSError:  # (its entries cannot be read: the same)
+            return WcStatus.REM_ACCESS_ERR
         finally:
             table.unlock(rkey)
         if not err:

@@ -119,7 +119,7 @@ def recv_hello(sock: socket.socket) -> Hello:
         if not isinstance(raw, dict) or raw.pop("v", None) != _VERSION:
             raise VerbsError("not a soft device handshake")
         hello = Hello(**raw)
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, RecursionError) as exc:  # (JSON nested too deep)
         raise VerbsError(f"bad handshake: {exc}") from exc
     for name, kind in _FIELD_TYPES.items():
         if type(getattr(hello, name)) is not kind:  # exact: a bool is no int here

@@ -395,6 +395,22 @@ def test_command_line_report_and_json(tmp_path: Any) -> None:
         assert entry["iterations"] == 10 and entry["forbidden"] == {}
         assert set(entry["observed"]) <= set(entry["allowed"])
 
+    # docs/litmus.md's table: runs side by side, a dash where a run skipped a test
+    two = tmp_path / "two.json"
+    document["tests"] = document["tests"][:1]
+    document["progress"] = "poll"
+    two.write_text(json.dumps(document))
+    done = subprocess.run([sys.executable, "-m", "mate.litmus", "--merge", str(out), str(two)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.splitlines()
+    assert rows[0].count("iterations, observed (%), forbidden") == 2
+    assert "local poll (" in rows[0]
+    first, second = rows[2], rows[3]
+    assert first.startswith(f"| `{names[0]}` |") and first.count(", 0 |") == 2
+    assert second.startswith(f"| `{names[1]}` |") and second.endswith("| - |")
+    assert rows[-1].startswith("| **all** |") and f"| {10 * len(names)}, " in rows[-1]
+
 
 def test_exit_status_is_1_when_something_forbidden_was_seen(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

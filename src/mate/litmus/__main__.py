@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import fnmatch
+import json
 import sys
 from typing import Any
 
@@ -43,6 +44,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="no random delays at the transports' hot spots")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--list", action="store_true", help="list the tests and exit")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="print the --json files of earlier runs as one Markdown table "
+                             "and exit")
     return parser.parse_args(argv)
 
 
@@ -87,6 +91,13 @@ async def run(args: argparse.Namespace, tests: list[Litmus]) -> list[Result]:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     tests = selected(args.tests)
+    if args.merge:
+        runs = []
+        for path in args.merge:
+            with open(path) as file:
+                runs.append(json.load(file))
+        print(report.merged(runs))
+        return 0
     if args.list:
         for test in tests:
             print(f"{test.name:28s} {test.ranks}  {test.about}")

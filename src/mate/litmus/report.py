@@ -4,7 +4,9 @@ One row per test: its ranks, the iterations run, how many outcomes the spec
 allows, how many of those were observed, how many iterations gave a
 forbidden outcome, and observed/allowed in percent (low percentages are not
 errors: they say which allowed behaviours this transport never showed).
-Forbidden outcomes are listed in full under the table.
+Forbidden outcomes are listed in full under the table. `merged` puts the
+JSON of several runs (a transport each, say) side by side as one Markdown
+table, the form kept in docs/litmus.md.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mate.litmus.runner import Result, show
@@ -84,3 +86,37 @@ def to_json(results: Sequence[Result], **meta: Any) -> str:
     document = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
                 **meta, "tests": tests}
     return json.dumps(document, indent=1)
+
+
+def merged(runs: Sequence[Mapping[str, Any]]) -> str:
+    """A Markdown table of several runs' JSON: per test, its allowed outcomes, then
+    each run's iterations, observed/allowed and forbidden count; a run that skipped
+    a test (too few ranks) shows a dash."""
+    def label(run: Mapping[str, Any]) -> str:
+        mode = ", ".join(str(run[k]) for k in ("progress",) if run.get(k))
+        ranks = max((t["ranks"] for t in run["tests"]), default=0)
+        return f"{run['transport']}" + (f" {mode}" if mode else "") + f" ({ranks} ranks)"
+
+    by_run = [{t["name"]: t for t in run["tests"]} for run in runs]
+    names: dict[str, Mapping[str, Any]] = {}
+    for tests in by_run:
+        for name, entry in tests.items():
+            names.setdefault(name, entry)
+    head = ["test", "ranks", "allowed"] + [
+        f"{label(run)}: iterations, observed (%), forbidden" for run in runs]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, first in names.items():
+        cells = [f"`{name}`", str(first["ranks"]), str(len(first["allowed"]))]
+        for tests in by_run:
+            entry = tests.get(name)
+            cells.append("-" if entry is None else
+                         f"{entry['iterations']}, {entry['observed_allowed']} "
+                         f"({entry['observed_percent']:.0f}%), {sum(entry['forbidden'].values())}")
+        lines.append("| " + " | ".join(cells) + " |")
+    totals = ["**all**", "", str(sum(len(e["allowed"]) for e in names.values()))]
+    for tests in by_run:
+        totals.append(f"{sum(e['iterations'] for e in tests.values())}, "
+                      f"{sum(e['observed_allowed'] for e in tests.values())}, "
+                      f"{sum(sum(e['forbidden'].values()) for e in tests.values())}")
+    lines.append("| " + " | ".join(totals) + " |")
+    return "\n".join(lines)

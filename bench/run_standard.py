@@ -12,7 +12,8 @@ subprocess (it starts its own two ranks with mpiexec):
   the uvloop floor;
 * the message rate (``rate``, window 64, sizes up to 64 KiB): progress poll
   and thread, and poll with rank 1's receives reposted from handlers;
-* put and get, progress poll and thread, rma native and emulated;
+* put and get, progress poll and thread, rma auto (the default), native and
+  emulated;
 * wait (a rank waiting 1 s for a message: its CPU %), progress poll and thread;
 * the ibverbs transport on its software device (`--transport ibverbs
   --baseline`: the ranks are started by mpiexec, exchange their QPs by MPI and
@@ -72,7 +73,7 @@ def standard_runs(common: list[str]) -> list[Run]:
                                "--baseline", *common, *RATE_SIZES]))
     for pattern in ("put", "get"):
         for progress in ("poll", "thread"):
-            for rma in ("native", "emulated"):
+            for rma in ("auto", "native", "emulated"):
                 runs.append(Run(f"{pattern}-{progress}-{rma}",
                                 ["-m", "mate.bench", pattern, "--transport", "mpi",
                                  "--progress", progress, "--rma", rma, "--baseline",

@@ -118,7 +118,7 @@ async def test_addresses_past_64_bits_are_refused(fabric: Fabric) -> None:
 
 @pytest.mark.skipif(LAUNCHED is None,
                     reason="ranks of the local transport share one loop: none can be busy alone")
-@pytest.mark.parametrize("rma", ["native", "emulated"] if LAUNCHED == "mpi" else [None])
+@pytest.mark.parametrize("rma", ["native", "emulated", "auto"] if LAUNCHED == "mpi" else [None])
 async def test_one_sided_timeouts_bound_a_busy_target(fabric: Fabric, rma: str | None) -> None:
     """Defect 5: put and get with timeout=0.1 to a target whose loop is blocked for 1 s.
 

@@ -8,14 +8,18 @@ from launch import run_under_mpiexec
 
 pytestmark = pytest.mark.skipif(LAUNCHED is not None, reason="this is the launcher")
 
-MODES = [(progress, rma) for progress in ("poll", "thread", "manual")
-         for rma in ("native", "emulated")]
+# rma="auto" with a threshold low enough that the suites' puts and gets go both ways
+AUTO = {"rma": "auto", "rma_threshold": 256}
+MODES = [*({"progress": progress, "rma": rma} for progress in ("poll", "thread", "manual")
+           for rma in ("native", "emulated")),
+         *({"progress": progress, **AUTO} for progress in ("poll", "thread"))]
+IDS = [f"{m['progress']}-{m['rma']}" for m in MODES]
 
 
 @pytest.mark.parametrize("nranks", [2, 3])
-@pytest.mark.parametrize(("progress", "rma"), MODES)
-def test_conformance_under_mpiexec(nranks: int, progress: str, rma: str) -> None:
-    run_under_mpiexec("test_conformance.py", nranks, {"progress": progress, "rma": rma})
+@pytest.mark.parametrize("options", MODES, ids=IDS)
+def test_conformance_under_mpiexec(nranks: int, options: dict[str, object]) -> None:
+    run_under_mpiexec("test_conformance.py", nranks, options)
 
 
 @pytest.mark.parametrize("progress", ["poll", "thread"])
@@ -29,9 +33,9 @@ def test_faults_under_mpiexec(progress: str) -> None:
 
 
 @pytest.mark.parametrize("nranks", [2, 3])
-@pytest.mark.parametrize(("progress", "rma"), MODES)
-def test_adversarial_under_mpiexec(nranks: int, progress: str, rma: str) -> None:
-    run_under_mpiexec("test_adversarial.py", nranks, {"progress": progress, "rma": rma})
+@pytest.mark.parametrize("options", MODES, ids=IDS)
+def test_adversarial_under_mpiexec(nranks: int, options: dict[str, object]) -> None:
+    run_under_mpiexec("test_adversarial.py", nranks, options)
 
 
 @pytest.mark.parametrize("progress", ["poll", "thread", "manual"])

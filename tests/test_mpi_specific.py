@@ -206,3 +206,46 @@ async def test_unexpose_survives_a_revoke_ack_that_comes_back_at_once(
 
     async with fabric.open() as group:
         await group.run(program)
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0])  # on the user's buffer, and on a copy
+async def test_auto_rma_moves_small_transfers_natively_and_large_ones_two_sided(
+        fabric: Fabric, timeout: float | None) -> None:
+    """rma="auto" (the default): below rma_threshold put and get are MPI-3 RMA, from
+    it on the two-sided protocol; one region serves both, and unexpose ends both."""
+    threshold = 4096
+
+    async def program(world: mate.World) -> None:
+        memory = bytearray(3 * threshold)
+        region = world.expose(memory) if world.mypid == 1 else None
+        raw = bytearray(8)
+        if world.mypid == 1:
+            assert region is not None
+            await world.send(region.address.to_bytes(8, "little"), 0, tag=5)
+        elif world.mypid == 0:
+            await world.recv(raw, 1, tag=5)
+        before = world.stats()
+        if world.mypid == 0:
+            base = int.from_bytes(raw, "little")
+            for size, at in ((threshold - 1, 0), (threshold, threshold)):
+                data = bytes((size + i) % 251 for i in range(size))
+                await world.put(data, 1, base + at, timeout=timeout)
+                back = bytearray(size)
+                await world.get(back, 1, base + at, timeout=timeout)
+                assert back == data
+            outside = world.put(bytes(threshold), 1, base + 2 * threshold + 1, timeout=timeout)
+            with pytest.raises(mate.MessageFailed) as failed:
+                await outside
+            assert failed.value.reason is mate.FailureReason.REMOTE_ACCESS
+            after = world.stats()
+            assert after["rma_native_ops"] - before["rma_native_ops"] == 2
+            assert after["rma_emulated_ops"] - before["rma_emulated_ops"] == 3
+        await barrier(world)
+        if region is not None:
+            await world.unexpose(region)
+            assert memory[threshold:threshold + 4] == bytes(
+                (threshold + i) % 251 for i in range(4))
+        await barrier(world)
+
+    async with fabric.open(rma="auto", rma_threshold=threshold) as group:
+        await group.run(program)

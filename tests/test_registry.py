@@ -26,12 +26,14 @@ def test_every_entry_point_reads_the_one_table() -> None:
 
 def test_options_are_checked_with_their_defaults_filled_in() -> None:
     mpi = registry.TRANSPORTS["mpi"]
-    assert mpi.resolve(None, "loop", {}) == {"progress": "poll", "rma": "native",
+    assert mpi.resolve(None, "loop", {}) == {"progress": "poll", "rma": "auto",
+                                             "rma_threshold": 64 * 1024,
                                              "eager_size": 4096, "orphan_limit": 4096,
                                              "shutdown_timeout": 5.0}
     assert mpi.resolve("thread", "progress", {"rma": "emulated"})["rma"] == "emulated"
     bad = [("poll", "progress", {}), ("spin", "loop", {}), (None, "loop", {"rma": "magic"}),
            (None, "loop", {"eager_size": -1}), (None, "loop", {"orphan_limit": 0}),
+           (None, "loop", {"rma_threshold": -1}), (None, "loop", {"rma_threshold": "64K"}),
            (None, "loop", {"shutdown_timeout": float("inf")}), (None, "loop", {"colour": 1}),
            (None, "threads", {})]
     for progress, handlers, options in bad:

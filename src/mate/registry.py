@@ -139,8 +139,12 @@ TRANSPORTS: dict[str, Entry] = {
             summary="mpi4py over MPI (thesis §5.2, MPI-3 RMA); ranks started by mpiexec",
             opener="mate.transports.mpi:open_transport",
             options={
-                "rma": Option("native", lambda v: arguments.choice(
-                    v, "rma", ("native", "emulated")), "put/get: MPI-3 RMA or two-sided"),
+                "rma": Option("auto", lambda v: arguments.choice(
+                    v, "rma", ("auto", "native", "emulated")),
+                    "put/get: MPI-3 RMA (native), two-sided (emulated), or by size (auto)"),
+                "rma_threshold": Option(64 * 1024, _bytes("rma_threshold"),
+                                        "rma=auto: puts and gets of this size and up go "
+                                        "two-sided"),
                 "eager_size": Option(4096, _bytes("eager_size"),
                                      "sends up to this size go from a copy, submitted at once"),
                 "orphan_limit": Option(4096, lambda v: arguments.count(

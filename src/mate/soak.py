@@ -1276,9 +1276,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument("--pin-limit", type=byte_count, default=None,
                        help="ibverbs: the pin cache's pin_limit (default the transport's, "
                             "256M)")
-    group.add_argument("--rma", choices=("native", "emulated"), default=None,
-                       help="mpi: put and get by MPI-3 RMA or by two-sided messages "
-                            "(default the transport's, native)")
+    group.add_argument("--rma", choices=("auto", "native", "emulated"), default=None,
+                       help="mpi: put and get by MPI-3 RMA, by two-sided messages, or by "
+                            "size (default the transport's, auto)")
     group.add_argument("--stall", type=non_negative, default=DEFAULTS.stall,
                        help="give up (NOT verified) when a round takes longer than this many "
                             "seconds (default 120)")

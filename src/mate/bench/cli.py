@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "else local")
     parser.add_argument("--progress", choices=registry.progress_modes(),
                         help="mpi progress mode (default poll)")
-    parser.add_argument("--rma", choices=("native", "emulated"),
-                        help="mpi put/get: MPI-3 RMA or the two-sided protocol (default native)")
+    parser.add_argument("--rma", choices=("auto", "native", "emulated"),
+                        help="mpi put/get: MPI-3 RMA, the two-sided protocol, or by size "
+                             "(default auto)")
     parser.add_argument("--wait", choices=("submission", "completion"), default="completion",
                         help="what each send/put awaits (default completion)")
     parser.add_argument("--baseline", action="store_true",

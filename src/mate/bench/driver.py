@@ -76,7 +76,7 @@ def _metadata(opts: Options) -> dict[str, Any]:
     if opts.pattern == "rate":
         extra["window"] = opts.window
         extra["handler_driven"] = opts.handler_driven
-    extra["rma"] = (opts.rma or "native") if opts.transport == "mpi" else None
+    extra["rma"] = (opts.rma or "auto") if opts.transport == "mpi" else None
     if opts.transport == "mpi" or opts.baseline or opts.floor:
         import mpi4py
         from mpi4py import MPI

@@ -1,14 +1,16 @@
 """The MPI transport (SPEC §3 "mpi"): `transport.py` for two-sided messages,
-`rma.py` with `rma_native.py` and `rma_emulated.py` for put and get over the
-control channel of `control.py`, `progress.py` for the three progress modes,
-`reports.py` for what a pass tells the core, and `finalize.py` so that
-MPI_Finalize never waits for a rank that died.
+`rma.py` with `rma_native.py`, `rma_emulated.py` and `rma_auto.py` for put
+and get over the control channel of `control.py`, `progress.py` for the
+three progress modes, `reports.py` for what a pass tells the core, and
+`finalize.py` so that MPI_Finalize never waits for a rank that died.
 
 Options to `mate.startup("mpi", ...)`, declared with their checks in
 `mate.registry`:
 
 * ``progress``: "poll" (default), "thread" or "manual";
-* ``rma``: "native" (default, MPI-3 RMA) or "emulated" (two-sided protocol);
+* ``rma``: "auto" (default: MPI-3 RMA below ``rma_threshold`` bytes, the
+  two-sided protocol from it on), "native" (MPI-3 RMA) or "emulated";
+* ``rma_threshold``: where "auto" changes side (default 65536);
 * ``eager_size``: sends up to this many bytes go from an internal copy and are
   submitted at once (default 4096);
 * ``orphan_limit``: how many sends that timed out unreceived ("orphans", still
@@ -27,8 +29,8 @@ from mate.transports.base import Sink, Transport
 
 
 async def open_transport(sink: Sink, loop: asyncio.AbstractEventLoop, *, handlers: str,
-                         progress: str, rma: str, eager_size: int, orphan_limit: int,
-                         shutdown_timeout: float) -> Transport:
+                         progress: str, rma: str, rma_threshold: int, eager_size: int,
+                         orphan_limit: int, shutdown_timeout: float) -> Transport:
     """The MPI transport of this rank; the registry checked the options."""
     from mpi4py import MPI
 
@@ -40,5 +42,6 @@ async def open_transport(sink: Sink, loop: asyncio.AbstractEventLoop, *, handler
     from mate.transports.mpi.transport import MpiTransport
 
     return MpiTransport(sink, loop, progress=progress, handlers=handlers, rma=rma,
-                        eager_size=eager_size, orphan_limit=orphan_limit,
+                        rma_threshold=rma_threshold, eager_size=eager_size,
+                        orphan_limit=orphan_limit,
                         shutdown_timeout=shutdown_timeout)

@@ -1,8 +1,10 @@
-"""put and get for the MPI transport: what its two strategies share.
+"""put and get for the MPI transport: what its strategies share.
 
 `rma="native"` (`rma_native.py`) uses MPI-3 RMA; `rma="emulated"`
-(`rma_emulated.py`) the thesis's protocol over two-sided messages. Both keep
-this rank's exposed regions (`Regions`) and answer peers' requests on the
+(`rma_emulated.py`) the thesis's protocol over two-sided messages;
+`rma="auto"` (`rma_auto.py`, the default) the first below `rma_threshold`
+bytes and the second from it on. Each keeps
+this rank's exposed regions (`Regions`) and answers peers' requests on the
 control channel (`control.py`), in the progress context, with no help from
 the application. Both are given their collaborators: the progress engine,
 the control channel, the reporter, and the one way onto the loop.
@@ -98,18 +100,26 @@ class Regions:
 class Rma(abc.ABC):
     """One RMA strategy: origin side (start, cancel) and target side (on_control)."""
 
+    name = ""  # the `rma` option that selects it
+
     def __init__(self, mypid: int, engine: Engine, control: ControlChannel, report: Reporter,
-                 call_on_loop: CallOnLoop) -> None:
+                 call_on_loop: CallOnLoop, regions: Regions | None = None) -> None:
         self.mypid = mypid
         self.engine = engine
         self.control = control
         self.report = report
         self._call_on_loop = call_on_loop
-        self.regions = Regions()
+        self.regions = Regions() if regions is None else regions  # (auto: one for both)
+        self.submits = 0  # puts and gets this strategy carried (world.stats())
 
     def submit(self, op: Operation) -> None:
         """Start a put or get in the progress context, after the posting call returns."""
+        self.submits += 1
         self.engine.call(self.start, op, owner=op)
+
+    def counters(self) -> dict[str, int]:
+        """Its part of `world.stats()`."""
+        return {f"rma_{self.name}_ops": self.submits}
 
     @abc.abstractmethod
     def start(self, op: Operation) -> None:

@@ -32,13 +32,15 @@ from mate.transports.mpi.control import (
 )
 from mate.transports.mpi.progress import Engine
 from mate.transports.mpi.reports import Reporter
-from mate.transports.mpi.rma import CallOnLoop, Rma, RmaOp
+from mate.transports.mpi.rma import CallOnLoop, Regions, Rma, RmaOp
 
 
 class EmulatedRma(Rma):
+    name = "emulated"
+
     def __init__(self, mypid: int, engine: Engine, control: ControlChannel, report: Reporter,
-                 call_on_loop: CallOnLoop) -> None:
-        super().__init__(mypid, engine, control, report, call_on_loop)
+                 call_on_loop: CallOnLoop, regions: Regions | None = None) -> None:
+        super().__init__(mypid, engine, control, report, call_on_loop, regions)
         self.gets: dict[int, Operation] = {}  # gets by reply tag, until the data or a refusal
         self.drained: dict[Region, asyncio.Future[None]] = {}
 

@@ -39,6 +39,8 @@ from mate.transports.mpi.rma import CallOnLoop, Rma, RmaOp
 
 
 class NativeRma(Rma):
+    name = "native"
+
     def __init__(self, mypid: int, comm: MPI.Intracomm, engine: Engine, control: ControlChannel,
                  report: Reporter, call_on_loop: CallOnLoop) -> None:
         super().__init__(mypid, engine, control, report, call_on_loop)

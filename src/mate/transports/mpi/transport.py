@@ -25,10 +25,11 @@ recv is `Irecv` with the wildcards mapped both ways; a truncated message fails
 with TRUNCATED and the receipt's length is what MPI wrote. A cancelled recv is
 `MPI_Cancel` + test: if the data had already matched, the recv completes.
 
-put and get are one of two strategies (`rma.py`, `rma_native.py`,
-`rma_emulated.py`), whose requests travel on the control channel
-(`control.py`); progress (poll, thread, manual) is `progress.py`; what a
-pass found reaches the core through `reports.py`.
+put and get are one of three strategies (`rma.py`, `rma_native.py`,
+`rma_emulated.py`, and `rma_auto.py` choosing between the two by size),
+whose requests travel on the control channel (`control.py`); progress
+(poll, thread, manual) is `progress.py`; what a pass found reaches the core
+through `reports.py`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from mate.transports.mpi.control import Control, ControlChannel
 from mate.transports.mpi.progress import Engine
 from mate.transports.mpi.reports import Reporter
 from mate.transports.mpi.rma import Rma
+from mate.transports.mpi.rma_auto import AutoRma
 from mate.transports.mpi.rma_emulated import EmulatedRma
 from mate.transports.mpi.rma_native import NativeRma
 
@@ -72,8 +74,8 @@ class MpiTransport(Transport):
     supports_progress_handlers = True
 
     def __init__(self, sink: Sink, loop: asyncio.AbstractEventLoop, *, progress: str,
-                 handlers: str, rma: str, eager_size: int, orphan_limit: int,
-                 shutdown_timeout: float) -> None:
+                 handlers: str, rma: str, rma_threshold: int, eager_size: int,
+                 orphan_limit: int, shutdown_timeout: float) -> None:
         self._sink = sink
         self._hot_spot = debug.hot_spot_hook()
         self.eager_size = eager_size
@@ -90,7 +92,10 @@ class MpiTransport(Transport):
                              self._hot_spot)
         self.control = ControlChannel(self.engine, self.tag_max, self._on_control)
         self.rma: Rma
-        if rma == "native":
+        if rma == "auto":
+            self.rma = AutoRma(self.mypid, self.comm, self.engine, self.control, self.report,
+                               self._call_on_loop, rma_threshold)
+        elif rma == "native":
             self.rma = NativeRma(self.mypid, self.comm, self.engine, self.control, self.report,
                                  self._call_on_loop)
         else:
@@ -244,7 +249,8 @@ class MpiTransport(Transport):
         self.engine.drive_until(done)
 
     def stats(self) -> dict[str, int]:
-        return {"requests": self.engine.user_outstanding, "orphaned_sends": self.engine.orphans}
+        return {"requests": self.engine.user_outstanding, "orphaned_sends": self.engine.orphans,
+                **self.rma.counters()}
 
     async def shutdown(self) -> None:
         """Cancel what is left, meet the peers (bounded wait), and free the MPI objects.

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import pytest
-from conftest import LAUNCHED, Fabric, barrier
+from conftest import LAUNCHED, THREADED, Fabric, barrier
 
 import mate
 
@@ -248,4 +248,79 @@ async def test_auto_rma_moves_small_transfers_natively_and_large_ones_two_sided(
         await barrier(world)
 
     async with fabric.open(rma="auto", rma_threshold=threshold) as group:
+        await group.run(program)
+
+
+async def test_an_answer_left_by_a_closed_world_never_reaches_the_next(fabric: Fabric) -> None:
+    """Found with rma="auto" (issue 11): MPICH gives a freed communicator's context
+    id to the next one, so an answer that arrived after its asker shut down (a put's
+    last `Reply`, say) stayed queued and matched the next world's first private tag:
+    that world's first put read it as its clearance and sent its data to tag 0. Each
+    world's private tags now carry on from the last world's."""
+    from mate.transports.mpi.control import Reply
+
+    size = 64 * 1024  # above CONTROL_EAGER: the rendezvous put, which waits for a Reply
+    async with fabric.open(rma="emulated") as group:
+        async def leave_an_answer(world: mate.World) -> None:
+            control = world._open().control  # type: ignore[attr-defined]
+            if world.mypid == 0:
+                # a tag asked on and given up (as a shutdown gives up a put's reply)
+                await world.send(control.new_tag().to_bytes(4, "little"), 1, tag=1)
+            elif world.mypid == 1:
+                raw = bytearray(4)
+                await world.recv(raw, 0, tag=1)
+                control.send(0, Reply(True), int.from_bytes(raw, "little"))
+            await barrier(world)
+
+        await group.run(leave_an_answer)
+
+    async with fabric.open(rma="emulated") as group:
+        async def put(world: mate.World) -> None:
+            memory = bytearray(size)
+            region = world.expose(memory)
+            raw = bytearray(8)
+            if world.mypid == 1:
+                await world.send(region.address.to_bytes(8, "little"), 0, tag=2)
+            elif world.mypid == 0:
+                await world.recv(raw, 1, tag=2)
+                await world.put(b"\x5a" * size, 1, int.from_bytes(raw, "little"), timeout=5)
+            await barrier(world)
+            if world.mypid == 1:
+                assert memory == b"\x5a" * size
+            await world.unexpose(region)
+
+        await group.run(put)
+
+
+@pytest.mark.skipif(THREADED, reason="a progress thread serves the requests while the loop sleeps")
+@pytest.mark.parametrize("rma", ["emulated", "auto"])
+async def test_unexpose_lets_go_of_what_an_origin_gone_away_abandoned(
+        fabric: Fabric, rma: str) -> None:
+    """An origin whose put and get timed out at a busy target shuts down before the
+    target answered them. The target, once awake, clears the put (a receive into the
+    region) and sends the get's data (a send out of it); the origin's shutdown cancelled
+    both of its receives and said so (`Abandon`), so the target's unexpose returns at
+    once instead of holding the region for ever, and nothing landed in it."""
+    size = 64 * 1024  # two-sided rendezvous both ways, under auto as well
+
+    async def program(world: mate.World) -> None:
+        if world.mypid == 1:
+            memory = bytearray(size)
+            region = world.expose(memory)
+            await world.send(region.address.to_bytes(8, "little"), 0, tag=1)
+            time.sleep(1.0)  # busy: rank 0 times out and shuts down meanwhile
+            await asyncio.sleep(0.3)  # now serve its requests (and its Abandons)
+            await asyncio.wait_for(world.unexpose(region), 3.0)
+            assert memory == bytes(size)
+        elif world.mypid == 0:
+            raw = bytearray(8)
+            await world.recv(raw, 1, tag=1)
+            address = int.from_bytes(raw, "little")
+            put = world.put(b"\x44" * size, 1, address, timeout=0.1)
+            get = world.get(bytearray(size), 1, address, timeout=0.1)
+            for msg in (put, get):
+                with pytest.raises(mate.MessageTimeout):
+                    await msg
+
+    async with fabric.open(rma=rma) as group:
         await group.run(program)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import attrs
 from mpi4py import MPI
 
-from mate.transports.mpi.progress import Action, Engine
+from mate.transports.mpi.progress import Action, Engine, Entry
 
 logger = logging.getLogger("mate")
 
@@ -160,7 +160,19 @@ class Reply:
         return cls(ok, data_tag)
 
 
-Control = TableRequest | Table | Revoke | RevokeAck | Get | GetRefused | Put | PutRequest | Reply
+@attrs.frozen
+class Abandon(_Fixed):
+    """Origin -> target (emulated): I gave up the get or put I asked for on `reply_tag`
+    before its data moved (my receive for it was cancelled, at shutdown): stop holding
+    your region for it."""
+
+    KIND: ClassVar[int] = 10
+    FORMAT: ClassVar[struct.Struct] = struct.Struct("<Bxxxi")
+    reply_tag: int
+
+
+Control = (TableRequest | Table | Revoke | RevokeAck | Get | GetRefused | Put | PutRequest
+           | Reply | Abandon)
 
 
 def decode(data: memoryview) -> Control:
@@ -174,7 +186,7 @@ def decode(data: memoryview) -> Control:
         _, reply_tag, address = Put.FORMAT.unpack_from(data)
         return Put(reply_tag, address, bytes(data[Put.FORMAT.size:]))
     fixed: tuple[type[_Fixed], ...] = (TableRequest, Revoke, RevokeAck, Get, GetRefused,
-                                        PutRequest)
+                                        PutRequest, Abandon)
     for cls in fixed:
         if kind == cls.KIND:
             return cls(*cls.FORMAT.unpack_from(data)[1:])  # type: ignore[return-value]
@@ -188,13 +200,19 @@ class ControlChannel:
     in the progress context. Sends and receives are requests of the engine.
     """
 
+    #: Where the next channel's private tags start: after the last one this process
+    #: used. An answer that arrives after its asker shut down stays queued in MPI, and
+    #: MPICH gives the freed communicator's context id to the next one, so the next
+    #: world in this process must not ask on the same tags.
+    _carried_tag = FIRST_PRIVATE_TAG
+
     def __init__(self, engine: Engine, tag_max: int,
                  on_message: Callable[[int, Control], None]) -> None:
         self.comm = MPI.COMM_WORLD.Dup()
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self._engine = engine
         self._tag_max = tag_max
-        self._next_tag = FIRST_PRIVATE_TAG
+        self._next_tag = ControlChannel._carried_tag
         self._on_message = on_message
         self._inbox = bytearray(Put.FORMAT.size + CONTROL_EAGER)  # the largest request
 
@@ -205,7 +223,8 @@ class ControlChannel:
     def new_tag(self) -> int:
         """A private tag for something this rank will receive (wraps around)."""
         tag = self._next_tag
-        self._next_tag = tag + 1 if tag < self._tag_max else FIRST_PRIVATE_TAG
+        self._next_tag = ControlChannel._carried_tag = (
+            tag + 1 if tag < self._tag_max else FIRST_PRIVATE_TAG)
         return tag
 
     def send(self, dest: int, message: Control, tag: int = CONTROL_TAG) -> None:
@@ -213,11 +232,11 @@ class ControlChannel:
         self.send_data(dest, message.encode(), tag, lambda status, error: None)
 
     def send_data(self, dest: int, data: Any, tag: int, action: Action, *,
-                  owner: Any = None) -> None:
+                  owner: Any = None) -> Entry:
         """Send `data` to `tag`; run `action` when the send completed. The request keeps
-        `data` alive until then."""
+        `data` alive until then; the returned entry lets the engine `disown` it."""
         request = self.comm.Isend(data, dest, tag)
-        self._engine.add(request, action, owner=owner, standing=True)
+        return self._engine.add(request, action, owner=owner, standing=True)
 
     def recv(self, buffer: Any, source: int, tag: int, action: Action, *,
              owner: Any = None, standing: bool = True) -> MPI.Request:

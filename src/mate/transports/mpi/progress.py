@@ -69,7 +69,7 @@ IDLE_INTERVAL = 0.005  # pause between passes when only standing receives are ou
 ORPHAN_INTERVAL = 0.05  # how often orphaned sends are tested (so MPI can free them)
 
 
-class _Entry:
+class Entry:
     """What the engine knows of one outstanding request."""
 
     __slots__ = ("action", "index", "owner", "receive", "request", "standing")
@@ -88,23 +88,23 @@ class _Requests:
 
     def __init__(self) -> None:
         self.requests: list[MPI.Request] = []
-        self.entries: list[_Entry] = []
+        self.entries: list[Entry] = []
         self.statuses: list[MPI.Status] = []  # scratch for Testsome, one per request
 
     def __len__(self) -> int:
         return len(self.requests)
 
-    def holds(self, entry: _Entry) -> bool:
+    def holds(self, entry: Entry) -> bool:
         i = entry.index
         return 0 <= i < len(self.entries) and self.entries[i] is entry
 
-    def add(self, entry: _Entry) -> None:
+    def add(self, entry: Entry) -> None:
         entry.index = len(self.requests)
         self.requests.append(entry.request)
         self.entries.append(entry)
         self.statuses.append(MPI.Status())
 
-    def remove(self, entry: _Entry) -> None:
+    def remove(self, entry: Entry) -> None:
         """Take `entry` out by moving the last entry into its place."""
         i, last = entry.index, len(self.requests) - 1
         moved = self.entries[last]
@@ -112,7 +112,7 @@ class _Requests:
         moved.index = i
         del self.requests[last], self.entries[last], self.statuses[last]
 
-    def testsome(self) -> tuple[list[tuple[_Entry, MPI.Status]], MPI.Exception | None]:
+    def testsome(self) -> tuple[list[tuple[Entry, MPI.Status]], MPI.Exception | None]:
         """The entries whose requests completed (now removed), with their statuses."""
         try:
             done = MPI.Request.Testsome(self.requests, self.statuses)
@@ -196,12 +196,12 @@ class Engine:
     # -- adding work (any thread) --------------------------------------------------------
 
     def add(self, request: MPI.Request, action: Action, *, owner: Any = None,
-            standing: bool = False, receive: bool = False) -> _Entry:
+            standing: bool = False, receive: bool = False) -> Entry:
         """Test `request` from now on; run `action(status, error)` when it completes.
 
         The returned entry is the request's handle for `disown`.
         """
-        entry = _Entry(request, action, owner, standing, receive)
+        entry = Entry(request, action, owner, standing, receive)
         if self._progress.threaded:
             self.call(self._add, entry)
         else:  # poll and manual: everything runs on the loop's thread
@@ -209,7 +209,7 @@ class Engine:
             self._progress.kick()
         return entry
 
-    def _add(self, entry: _Entry) -> None:
+    def _add(self, entry: Entry) -> None:
         self._live.add(entry)
         if entry.standing:
             self._standing += 1
@@ -288,7 +288,7 @@ class Engine:
             self.backoff.moved()
         return moved
 
-    def _run_actions(self, finished: list[tuple[_Entry, MPI.Status]],
+    def _run_actions(self, finished: list[tuple[Entry, MPI.Status]],
                      error: MPI.Exception | None) -> None:
         for entry, status in finished:
             failed = error if error is not None and status.Get_error() != MPI.SUCCESS else None
@@ -332,7 +332,7 @@ class Engine:
             if entry.receive and (standing or not entry.standing):
                 entry.request.Cancel()
 
-    def disown(self, entry: _Entry) -> bool:
+    def disown(self, entry: Entry) -> bool:
         """Move a live request to the orphans (tested rarely, so MPI can free it).
 
         False if it is not live (it completed already). Progress context only.

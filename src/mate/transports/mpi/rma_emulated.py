@@ -8,6 +8,15 @@ on which it has posted a receive straight into the destination, the origin
 sends the data there, and the target answers again when it landed
 (rendezvous). The target checks its own regions; unexposing waits until no
 transfer into or out of the region is in flight.
+
+A target that has answered a get or cleared a put holds the region for the
+origin's next step. An origin that shuts down before that step cancels its
+receive; once MPI confirms nothing was matched it sends `Abandon`, and the
+target lets go: it cancels its receive into the region (MPI either cancels it
+untouched or completes it), or hands its send out of the region to the
+engine's orphans (its receiver is gone, so it is never matched and never reads
+the region again). Without this a target unexposing after its origin left
+would wait for ever.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from mate.schedule import Op, Region
 from mate.transports.base import Operation
 from mate.transports.mpi.control import (
     CONTROL_EAGER,
+    Abandon,
     Control,
     ControlChannel,
     Get,
@@ -30,7 +40,7 @@ from mate.transports.mpi.control import (
     PutRequest,
     Reply,
 )
-from mate.transports.mpi.progress import Engine
+from mate.transports.mpi.progress import Engine, Entry
 from mate.transports.mpi.reports import Reporter
 from mate.transports.mpi.rma import CallOnLoop, Regions, Rma, RmaOp
 
@@ -43,6 +53,9 @@ class EmulatedRma(Rma):
         super().__init__(mypid, engine, control, report, call_on_loop, regions)
         self.gets: dict[int, Operation] = {}  # gets by reply tag, until the data or a refusal
         self.drained: dict[Region, asyncio.Future[None]] = {}
+        # Target side: transfers that hold a region until the origin's next step, by
+        # (origin, its reply tag): the region, and the send (get) or receive (put).
+        self.serving: dict[tuple[int, int], tuple[Region, Entry | MPI.Request]] = {}
 
     # -- origin side ---------------------------------------------------------------------
 
@@ -65,7 +78,7 @@ class EmulatedRma(Rma):
         else:
             reply = bytearray(Reply.SIZE)
             self.control.recv(reply, op.peer, tag,
-                              lambda status, error: self.cleared(op, tag, reply, error),
+                              lambda status, error: self.cleared(op, tag, reply, status, error),
                               owner=op, standing=False)
             self.control.send(op.peer, PutRequest(tag, op.address, n))
             if state.copied:
@@ -76,18 +89,23 @@ class EmulatedRma(Rma):
         op.transport_data.request = None
         if self.gets.pop(tag, None) is None:  # refused: the receive was cancelled
             self.refuse(op)
+        elif status.Is_cancelled():  # by shutdown, before the data came
+            self.control.send(op.peer, Abandon(tag))
         elif error is not None:
             self.failed(op, FailureReason.TRANSPORT, f"emulated get: {error}", error)
         else:
             self.completed(op)
 
-    def cleared(self, op: Operation, tag: int, buffer: bytearray,
+    def cleared(self, op: Operation, tag: int, buffer: bytearray, status: MPI.Status,
                 error: MPI.Exception | None) -> None:
         """The target answered a rendezvous put's request: send the data to its tag.
 
         An abandoned put still sends it (from its copy): the target has posted a
         receive into the region and holds the region busy until the data lands.
         """
+        if status.Is_cancelled():  # by shutdown, before the target answered
+            self.control.send(op.peer, Abandon(tag))
+            return
         if error is not None:
             self.failed(op, FailureReason.TRANSPORT, f"emulated put: {error}", error)
             return
@@ -112,9 +130,6 @@ class EmulatedRma(Rma):
                 self.completed(op)
 
         self.control.recv(buffer, op.peer, tag, answered, owner=op, standing=False)
-
-    def cancel_all(self) -> None:
-        self.gets.clear()
 
     # -- target side ---------------------------------------------------------------------
 
@@ -160,9 +175,10 @@ class EmulatedRma(Rma):
                 self.control.send(source, GetRefused(message.reply_tag))
                 return
             region, view = found
+            key = (source, message.reply_tag)
             self.begin(region)
-            self.control.send_data(source, view, message.reply_tag,
-                                   lambda status, error: self.end(region))
+            self.serving[key] = (region, self.control.send_data(
+                source, view, message.reply_tag, lambda status, error: self.served(key)))
         elif isinstance(message, Put):
             found = self.regions.find(message.address, len(message.data))
             if found is not None:
@@ -175,11 +191,32 @@ class EmulatedRma(Rma):
                 return
             region, view = found
             data_tag = self.control.new_tag()
+            key = (source, message.reply_tag)
             self.begin(region)
 
             def landed(status: MPI.Status, error: MPI.Exception | None) -> None:
-                self.end(region)
-                self.control.send(source, Reply(error is None), message.reply_tag)
+                self.served(key)
+                if not status.Is_cancelled():
+                    self.control.send(source, Reply(error is None), message.reply_tag)
 
-            self.control.recv(view, source, data_tag, landed)
+            self.serving[key] = (region, self.control.recv(view, source, data_tag, landed))
             self.control.send(source, Reply(True, data_tag), message.reply_tag)
+        elif isinstance(message, Abandon):
+            self.let_go((source, message.reply_tag))
+
+    def served(self, key: tuple[int, int]) -> None:
+        """The transfer `key` ended (its data moved, or it was let go): free its region."""
+        held = self.serving.pop(key, None)
+        if held is not None:
+            self.end(held[0])
+
+    def let_go(self, key: tuple[int, int]) -> None:
+        """The origin of `key` abandoned it: stop holding the region for it."""
+        held = self.serving.get(key)
+        if held is None:
+            return  # it ended already (or was never granted)
+        if isinstance(held[1], MPI.Request):
+            held[1].Cancel()  # a put's receive: `landed` runs once MPI settled it
+        else:
+            self.engine.disown(held[1])  # a get's send: never matched now
+            self.served(key)

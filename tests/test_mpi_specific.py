@@ -324,3 +324,30 @@ async def test_unexpose_lets_go_of_what_an_origin_gone_away_abandoned(
 
     async with fabric.open(rma=rma) as group:
         await group.run(program)
+
+
+async def test_a_message_a_closed_world_left_unreceived_never_reaches_the_next(
+        fabric: Fabric) -> None:
+    """The user's side of the stale-answer defect above. There the answer was sent
+    after its asker had freed the communicator, and matched the next world's, which
+    had the same context id. A user message is always posted before its sender's
+    shutdown, which the receiver waits for before freeing: one that timed out
+    unreceived must then go with the communicator, not reach the next world's
+    receive on the same source and tag."""
+    async with fabric.open() as group:
+        async def leave_a_message(world: mate.World) -> None:
+            if world.mypid == 0:
+                with pytest.raises(mate.MessageTimeout):
+                    await world.send(b"stale", 1, tag=7, timeout=0.1)
+            await barrier(world)
+
+        await group.run(leave_a_message)
+
+    async with fabric.open() as group:
+        async def receive_nothing(world: mate.World) -> None:
+            if world.mypid == 1:
+                with pytest.raises(mate.MessageTimeout):
+                    await world.recv(bytearray(8), 0, tag=7, timeout=0.3)
+            await barrier(world)
+
+        await group.run(receive_nothing)

@@ -200,11 +200,11 @@ class ControlChannel:
     in the progress context. Sends and receives are requests of the engine.
     """
 
-    #: Where the next channel's private tags start: after the last one this process
-    #: used. An answer that arrives after its asker shut down stays queued in MPI, and
-    #: MPICH gives the freed communicator's context id to the next one, so the next
-    #: world in this process must not ask on the same tags.
-    _carried_tag = FIRST_PRIVATE_TAG
+    #: The next private tag, one counter for the whole process: an answer that arrives
+    #: after its asker shut down stays queued in MPI, and MPICH gives the freed
+    #: communicator's context id to the next one, so a later world in this process
+    #: must not ask on the same tags.
+    _next_tag = FIRST_PRIVATE_TAG
 
     def __init__(self, engine: Engine, tag_max: int,
                  on_message: Callable[[int, Control], None]) -> None:
@@ -212,7 +212,6 @@ class ControlChannel:
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self._engine = engine
         self._tag_max = tag_max
-        self._next_tag = ControlChannel._carried_tag
         self._on_message = on_message
         self._inbox = bytearray(Put.FORMAT.size + CONTROL_EAGER)  # the largest request
 
@@ -222,9 +221,8 @@ class ControlChannel:
 
     def new_tag(self) -> int:
         """A private tag for something this rank will receive (wraps around)."""
-        tag = self._next_tag
-        self._next_tag = ControlChannel._carried_tag = (
-            tag + 1 if tag < self._tag_max else FIRST_PRIVATE_TAG)
+        tag = ControlChannel._next_tag
+        ControlChannel._next_tag = tag + 1 if tag < self._tag_max else FIRST_PRIVATE_TAG
         return tag
 
     def send(self, dest: int, message: Control, tag: int = CONTROL_TAG) -> None:

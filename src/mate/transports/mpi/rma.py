@@ -6,7 +6,7 @@
 bytes and the second from it on. Each keeps
 this rank's exposed regions (`Regions`) and answers peers' requests on the
 control channel (`control.py`), in the progress context, with no help from
-the application. Both are given their collaborators: the progress engine,
+the application. Each is given its collaborators: the progress engine,
 the control channel, the reporter, and the one way onto the loop.
 
 Once issued, put and get cannot be recalled (MPI offers no way to stop an RMA

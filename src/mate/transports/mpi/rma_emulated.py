@@ -149,11 +149,18 @@ class EmulatedRma(Rma):
             self.engine.drive_until(future.done)
             await future
 
-    def begin(self, region: Region) -> None:
+    def hold(self, key: tuple[int, int], region: Region, transfer: Entry | MPI.Request) -> None:
+        """`transfer` (a get's send, a put's receive) holds `region` until `served(key)`."""
+        self.serving[key] = (region, transfer)
         with self.regions.lock:
             self.regions.in_flight[region] = self.regions.in_flight.get(region, 0) + 1
 
-    def end(self, region: Region) -> None:
+    def served(self, key: tuple[int, int]) -> None:
+        """The transfer `key` ended (its data moved, or it was let go): free its region."""
+        held = self.serving.pop(key, None)
+        if held is None:
+            return
+        region = held[0]
         with self.regions.lock:
             left = self.regions.in_flight[region] - 1
             if left:
@@ -176,8 +183,7 @@ class EmulatedRma(Rma):
                 return
             region, view = found
             key = (source, message.reply_tag)
-            self.begin(region)
-            self.serving[key] = (region, self.control.send_data(
+            self.hold(key, region, self.control.send_data(
                 source, view, message.reply_tag, lambda status, error: self.served(key)))
         elif isinstance(message, Put):
             found = self.regions.find(message.address, len(message.data))
@@ -192,23 +198,16 @@ class EmulatedRma(Rma):
             region, view = found
             data_tag = self.control.new_tag()
             key = (source, message.reply_tag)
-            self.begin(region)
 
             def landed(status: MPI.Status, error: MPI.Exception | None) -> None:
                 self.served(key)
                 if not status.Is_cancelled():
                     self.control.send(source, Reply(error is None), message.reply_tag)
 
-            self.serving[key] = (region, self.control.recv(view, source, data_tag, landed))
+            self.hold(key, region, self.control.recv(view, source, data_tag, landed))
             self.control.send(source, Reply(True, data_tag), message.reply_tag)
         elif isinstance(message, Abandon):
             self.let_go((source, message.reply_tag))
-
-    def served(self, key: tuple[int, int]) -> None:
-        """The transfer `key` ended (its data moved, or it was let go): free its region."""
-        held = self.serving.pop(key, None)
-        if held is not None:
-            self.end(held[0])
 
     def let_go(self, key: tuple[int, int]) -> None:
         """The origin of `key` abandoned it: stop holding the region for it."""

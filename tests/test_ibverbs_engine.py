@@ -835,6 +835,26 @@ def test_malformed_frame_loses_its_sender() -> None:
     assert_completed(fabric, 0, r2, 2)
 
 
+def test_a_frame_speaks_only_for_the_peer_whose_qp_it_came_on() -> None:
+    # Rank 2 forges an EAGER frame that names rank 1 as its source: it must not
+    # complete a receive from rank 1, and it breaks rank 2, not rank 1.
+    fabric = Fabric(3, eager_size=EAGER)
+    r1 = fabric.post(0, recv(10, 1, 5))
+    r2 = fabric.post(0, recv(10, 2, 5))
+    buffer = fabric.ranks[0].srq.popleft()
+    frame = encode(1, Kind.EAGER, tag=5, length=6, data=b"forged")
+    ctypes.memmove(buffer.sge.addr, frame, len(frame))
+    fabric.inject(0, WorkCompletion(buffer.wr_id, WcStatus.SUCCESS, WcOpcode.RECV,
+                                    len(frame), 2))
+    assert_failed(fabric, 0, r2, FailureReason.PEER_UNREACHABLE)
+    assert fabric.outcome(0, r1) is None
+    assert fabric.engine(0).stats()["protocol_errors"] == 1
+    fabric.post(1, send(b"real", 0, 5))
+    fabric.run()
+    assert_completed(fabric, 0, r1, 4)
+    assert bytes(r1.buffer[:4]) == b"real"
+
+
 def test_registration_failures_fail_with_resources() -> None:
     fabric = Fabric(2, eager_size=EAGER)
     fabric.ranks[0].pd.fail = 1

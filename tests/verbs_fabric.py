@@ -286,7 +286,7 @@ class Fabric:
             # retire this request and the unsignalled ones before it
             i = next(i for i, wr in enumerate(qp.unretired) if wr.wr_id == wc.wr_id)
             del qp.unretired[:i + 1]
-        r.engine.completion(wc)
+        r.engine.completion(wc, peer)
         if landed:
             self.held[peer, rank] -= 1  # the engine reposted it (or the test fails on RNR)
         if wc.status is not WcStatus.SUCCESS and qp.error and peer not in r.lost_told:

@@ -82,8 +82,8 @@ Faults. An error completion fails its operation (REM_ACCESS_ERR: REMOTE_ACCESS;
 flush and retry errors: PEER_UNREACHABLE; else TRANSPORT). `peer_lost` fails
 everything still going on with that peer, drops its FIFO and its unexpected
 RTSs, and counts it as having acked every revoke; receives from ANY_SOURCE
-stay. Frames from a lost peer are dropped. A malformed frame means its sender
-is broken: it is treated as lost (counted in `protocol_errors`; the QP itself
+stay. Frames from a lost peer are dropped. A malformed frame means the peer
+whose QP it came on is broken: it is treated as lost (counted in `protocol_errors`; the QP itself
 is the driver's). So does a frame that no correct peer sends where it
 arrives: an RTS with an id its sender still has unmatched here, a FIN or
 CANCEL_ACK for a send that went to another rank, a CANCEL_ACK for a send
@@ -108,8 +108,11 @@ The driver. Every call may append reports; the driver takes them after the
 call (`take_reports`) and hands them to the sink. Completions are told apart
 by `wr_id` alone (receive buffers from 0, send slots from `SEND_BASE`, RDMA
 requests from `RDMA_BASE`, probes from `PROBE_BASE`), never by opcode, which
-an error completion does not define. Mapping a completion's `qp_num` to a peer, and calling
-`peer_lost` when that QP is in ERR, is the driver's job. Its CQs must hold
+an error completion does not define. Mapping a completion's `qp_num` to the
+peer that QP is connected to (the `peer` of `completion`), and calling
+`peer_lost` when that QP is in ERR, is the driver's job. A frame's sender is
+that peer, whatever the frame says: a frame whose `source` names another rank
+is malformed, so no peer can speak for another. Its CQs must hold
 up to ``size * max_send_wr`` send completions and ``size * (credits + 1)``
 receive completions. When every user operation has ended the rank may still
 owe peers a FIN, a grant or an ack: before closing the device, the driver
@@ -449,11 +452,11 @@ class Engine:
         if self._failing:
             self._settle()
 
-    def completion(self, wc: WorkCompletion) -> None:
-        """One work completion from either CQ."""
+    def completion(self, wc: WorkCompletion, peer: int) -> None:
+        """One work completion from either CQ, on the QP connected to `peer`."""
         wr_id = wc.wr_id
         if wr_id < SEND_BASE:
-            self._received(wc)
+            self._received(wc, peer)
         elif wr_id < RDMA_BASE:
             self._sent(wc)
         elif wr_id < PROBE_BASE:
@@ -797,8 +800,8 @@ class Engine:
 
     # -- completions -------------------------------------------------------------------
 
-    def _received(self, wc: WorkCompletion) -> None:
-        """A frame in receive buffer `wc.wr_id`: handle it, repost the buffer."""
+    def _received(self, wc: WorkCompletion, peer: int) -> None:
+        """A frame from `peer` in receive buffer `wc.wr_id`: handle it, repost the buffer."""
         i = wc.wr_id
         if wc.status is not WcStatus.SUCCESS:
             if wc.status is not WcStatus.WR_FLUSH_ERR:  # flushed: the SRQ is going away
@@ -807,13 +810,13 @@ class Engine:
         off = i * self._stride
         try:
             h = decode(self._recv_pool, off, wc.byte_len)
-            if h.source >= self.size:
-                raise ProtocolError(f"a frame from rank {h.source} of {self.size}")
+            if h.source != peer:
+                raise ProtocolError(f"a frame on rank {peer}'s QP says it is from {h.source}")
         except ProtocolError as exc:
-            self._broken(off, wc.byte_len, exc)
+            self._broken(peer, exc)
             self._wire.post_recv(self._recv_wrs[i])
             return
-        src, kind = h.source, h.kind
+        src, kind = peer, h.kind
         if self._lost[src]:
             self._wire.post_recv(self._recv_wrs[i])
             return
@@ -1102,13 +1105,11 @@ class Engine:
 
     # -- broken and lost peers ---------------------------------------------------------
 
-    def _broken(self, off: int, size: int, exc: ProtocolError) -> None:
-        """A malformed frame: its sender, if the frame names a rank, is broken."""
+    def _broken(self, peer: int, exc: ProtocolError) -> None:
+        """A malformed frame: the peer whose QP it came on is broken."""
         self._protocol_errors += 1
-        if size >= 4:
-            src = int.from_bytes(self._rview[off:off + 4], "little")
-            if src < self.size:
-                self._broken_peer(src, f"rank {src} sent a malformed frame: {exc}")
+        if 0 <= peer < self.size:
+            self._broken_peer(peer, f"rank {peer} sent a malformed frame: {exc}")
 
     def _broken_peer(self, p: int, detail: str) -> None:
         if not self._lost[p]:

@@ -201,9 +201,10 @@ class IbverbsTransport(Transport):
                     if completions:
                         moved = True
                         for wc in completions:
-                            self._engine.completion(wc)
+                            peer = self._peer_of_qp.get(wc.qp_num, -1)
+                            self._engine.completion(wc, peer)
                             if wc.status is not WcStatus.SUCCESS:
-                                self._check_peer(wc.qp_num, wc.status)
+                                self._check_peer(peer, wc.status)
                     if len(completions) < POLL_BATCH:
                         break
             reports = self._pending + self._engine.take_reports()
@@ -215,10 +216,9 @@ class IbverbsTransport(Transport):
             moved = True
         return moved
 
-    def _check_peer(self, qp_num: int, status: WcStatus) -> None:
-        """An error completion: if its QP went to ERR, that peer is lost."""
-        peer = self._peer_of_qp.get(qp_num)
-        if peer is None or peer in self._lost or self._qps[peer].state is not QPState.ERR:
+    def _check_peer(self, peer: int, status: WcStatus) -> None:
+        """An error completion on `peer`'s QP: if that QP went to ERR, the peer is lost."""
+        if peer < 0 or peer in self._lost or self._qps[peer].state is not QPState.ERR:
             return
         self._lost.add(peer)
         self._engine.peer_lost(peer, f"the connection to rank {peer} failed ({status.name})")

@@ -3,7 +3,7 @@
 Every SEND starts with `HEADER` (48 bytes, little-endian). Only an EAGER
 frame has anything behind it: `length` bytes of the message. The fields:
 
-    source   u32   the sender's rank (an SRQ completion does not say which peer)
+    source   u32   the sender's rank (checked against the QP the frame came on)
     kind     u8    `Kind`
     flags    u8    `CREDIT_REQUEST` | `TRUNCATED` | `FAILED`
     grant    u16   receive credits returned to the receiver of this frame

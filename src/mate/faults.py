@@ -635,7 +635,8 @@ class FaultyTransport(Transport):
         if outcome.input is Input.COMPLETED and original.op is Op.GET:
             length = outcome.length or 0  # still live: it may be written now
             original.buffer[:length] = outcome.op.buffer[:length]
-        forwarded.append(outcome._replace(op=original, peer=original.peer, tag=original.tag))
+        forwarded.append(Report(outcome.input, original, outcome.length, original.peer,
+                                original.tag, outcome.error))
 
     def call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
         self._sink.call_on_loop(fn, *args)

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from mate.deadlines import Deadlines, LoopDeadlines, ThreadDeadlines
 from mate.dispatch import Dispatcher
@@ -36,6 +36,12 @@ from mate.schedule import NO_SCHEDULE, Op, State
 from mate.transports.base import Operation, Report, Transport, failure
 
 logger = logging.getLogger("mate")
+
+# Enum members as module constants (see mate.message: a read through the class is
+# slow on Python 3.11).
+_SUBMITTED: Final = Input.SUBMITTED
+_COMPLETED: Final = Input.COMPLETED
+_COMPLETED_STATE: Final = State.COMPLETED
 
 
 class Ledger:
@@ -107,10 +113,10 @@ class Ledger:
     # -- the sink: what the transport reports, from any thread -----------------------------
 
     def submitted(self, op: Operation) -> None:
-        self._route(Report(Input.SUBMITTED, op))
+        self._route(Report(_SUBMITTED, op))
 
     def completed(self, op: Operation, length: int, peer: int, tag: int) -> None:
-        self._route(Report(Input.COMPLETED, op, length, peer, tag))
+        self._route(Report(_COMPLETED, op, length, peer, tag))
 
     def failed(self, op: Operation, reason: FailureReason, detail: str = "", *,
                cause: BaseException | None = None, length: int = 0,
@@ -168,11 +174,11 @@ class Ledger:
         with self._lock:
             was_live = not msg.done()
             step = msg.apply(inp)
-            ended = was_live and step.state.terminal
+            ended = was_live and msg.done()
             if ended:
                 msg.settle(length, peer, tag, error)
                 self._outstanding.discard(msg)
-                if step.state is State.COMPLETED:
+                if step.state is _COMPLETED_STATE:
                     completed = self._completed[msg.op]
                     completed[0] += 1
                     completed[1] += msg.length

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from mate.buffers import address_of
 from mate.errors import MessageFailed, MessageTimeout
@@ -28,7 +28,23 @@ from mate.transports.base import Operation
 if TYPE_CHECKING:
     from mate.ledger import Ledger
 
-_ORIGIN_OPS = (Op.SEND, Op.PUT)
+# Enum members as module constants: on Python 3.11 a read through the class
+# (`State.POSTED`) goes through the hook of `EnumType.__getattr__`, which costs
+# more than the rest of a state change; the per-message path reads these.
+_SEND: Final = Op.SEND
+_PUT: Final = Op.PUT
+_GET: Final = Op.GET
+_POSTED: Final = State.POSTED
+_SUBMITTED: Final = State.SUBMITTED
+_COMPLETED: Final = State.COMPLETED
+_TIMED_OUT: Final = State.TIMED_OUT
+_FAILED: Final = State.FAILED
+_CANCELLED: Final = State.CANCELLED
+_NO_PENDING: Final = Pending.NONE
+_SUBMISSION: Final = Event.SUBMISSION
+_COMPLETION: Final = Event.COMPLETION
+_TIMEOUT: Final = Event.TIMEOUT
+_FAILURE: Final = Event.FAILURE
 Waiters = list[asyncio.Future[None]]
 
 
@@ -71,10 +87,10 @@ class Message(Operation):
     ) -> None:
         super().__init__(op, buffer, peer, tag, address, deadline)
         self._ledger = ledger
-        self.origin = op in _ORIGIN_OPS
+        self.origin = op is _SEND or op is _PUT
         self.schedule = schedule
-        self._state = State.POSTED
-        self._pending = Pending.NONE
+        self._state = _POSTED
+        self._pending = _NO_PENDING
         self.submitted_seen = False
         # Facts the transport reports at the end; wildcards resolved at completion.
         self.length = len(buffer) if self.origin else 0
@@ -93,7 +109,8 @@ class Message(Operation):
 
     def done(self) -> bool:
         """True once the message has its terminal outcome."""
-        return self._state.terminal
+        state = self._state
+        return state is not _POSTED and state is not _SUBMITTED
 
     @property
     def receipt(self) -> Receipt:
@@ -102,20 +119,21 @@ class Message(Operation):
 
     def last_event(self) -> Event | None:
         state = self._state
-        if state is State.COMPLETED:
-            return Event.COMPLETION
-        if state is State.TIMED_OUT:
-            return Event.TIMEOUT
-        if state is State.FAILED:
-            return Event.FAILURE
+        if state is _COMPLETED:
+            return _COMPLETION
+        if state is _TIMED_OUT:
+            return _TIMEOUT
+        if state is _FAILED:
+            return _FAILURE
         if self.submitted_seen:
-            return Event.SUBMISSION
+            return _SUBMISSION
         return None
 
     def receipt_for(self, event: Event | None) -> Receipt:
         if self._address is None:
             self._address = address_of(self.buffer)
-        origin = self.op in (Op.PUT, Op.GET)
+        op = self.op
+        origin = op is _PUT or op is _GET
         # Positional, in Receipt's field order: a third cheaper than keywords, and a
         # receipt is built for every awaited message.
         return Receipt(
@@ -127,7 +145,7 @@ class Message(Operation):
             self._address,  # local_address
             self.address if origin else None,  # remote_address
             event,
-            self.error if event in (Event.TIMEOUT, Event.FAILURE) else None,  # error
+            self.error if event is _TIMEOUT or event is _FAILURE else None,  # error
         )
 
     def cancel(self) -> bool:
@@ -136,7 +154,7 @@ class Message(Operation):
         The outcome is CANCELLED unless the transport finds that the data has
         already landed, in which case the message completes (no data loss).
         """
-        if self._state.terminal:
+        if self.done():
             return False
         self._ledger.advance(self, Input.USER_CANCEL)
         return True
@@ -147,7 +165,7 @@ class Message(Operation):
         return _Submitted(self) if self.origin else None
 
     def __await__(self) -> Generator[Any, None, Receipt]:
-        if not self._state.terminal:
+        if not self.done():
             future = self._ledger.waiter(self, submission=False)
             if future is not None:
                 yield from wait(self, future)
@@ -156,9 +174,9 @@ class Message(Operation):
     def outcome(self) -> Receipt:
         """The final receipt, or the exception that the outcome stands for."""
         state = self._state
-        if state is State.COMPLETED:
-            return self.receipt_for(Event.COMPLETION)
-        if state is State.CANCELLED:
+        if state is _COMPLETED:
+            return self.receipt_for(_COMPLETION)
+        if state is _CANCELLED:
             raise asyncio.CancelledError(f"{self!r} was cancelled")
         assert isinstance(self.error, (MessageTimeout, MessageFailed)), state
         raise self.error
@@ -175,7 +193,7 @@ class Message(Operation):
             ) from None
         self._state = step.state
         self._pending = step.pending
-        if Event.SUBMISSION in step.events:
+        if _SUBMISSION in step.events:
             self.submitted_seen = True
         return step
 
@@ -188,14 +206,14 @@ class Message(Operation):
             self.remote_pid = peer
         if tag is not None:
             self.remote_tag = tag
-        if self._state is State.TIMED_OUT:
+        if self._state is _TIMED_OUT:
             self.error = MessageTimeout(f"{self!r} timed out")
-        elif self._state is State.FAILED:
+        elif self._state is _FAILED:
             self.error = error
 
     def add_waiter(self, future: asyncio.Future[None], *, submission: bool) -> bool:
         """Register an awaiter; False if what it awaits has happened already."""
-        if self._state.terminal or (submission and self.submitted_seen):
+        if self.done() or (submission and self.submitted_seen):
             return False
         if submission:
             if self._submission_waiters is None:
@@ -209,10 +227,11 @@ class Message(Operation):
 
     def take_waiters(self) -> Waiters | None:
         """Detach the awaiters that the state reached now lets go."""
-        woken = self._submission_waiters if self.submitted_seen or self._state.terminal else None
+        done = self.done()
+        woken = self._submission_waiters if self.submitted_seen or done else None
         if woken is not None:
             self._submission_waiters = None
-        if self._state.terminal and self._waiters:
+        if done and self._waiters:
             woken = self._waiters if woken is None else woken + self._waiters
             self._waiters = None
         return woken
@@ -251,5 +270,5 @@ class _Submitted:
             if future is not None:
                 yield from wait(msg, future)
         if msg.submitted_seen:
-            return msg.receipt_for(Event.SUBMISSION)
+            return msg.receipt_for(_SUBMISSION)
         return msg.outcome()  # ended without submission: raises its outcome

@@ -1,10 +1,10 @@
 """Which of mate's modules run compiled, and the guard that keeps a stale one out.
 
-The per-message path -- the core's ledger, message, matching, deadlines,
-handler dispatch and loop entry, the transport contract, the ibverbs
-transport's engine, wire format, soft device, transport, progress and pin
-cache, and the MPI transport's transport, progress engine and reporter -- is
-compiled to C with mypyc when mate is installed (setup.py; ``MATE_COMPILE=0``
+The per-message path -- the API's argument checks, the core's ledger,
+message, matching, deadlines, handler dispatch and loop entry, the transport
+contract, the ibverbs transport's engine, wire format, soft device,
+transport, progress and pin cache, and the MPI transport's transport,
+progress engine and reporter -- is compiled to C with mypyc when mate is installed (setup.py; ``MATE_COMPILE=0``
 installs pure Python, as does a build with no C compiler). The code is the
 same: each compiled module is its own source, type-checked by mypy --strict,
 and runs as Python wherever it is not compiled. `mate.world`, the API in front
@@ -43,6 +43,7 @@ from types import ModuleType
 #: The modules setup.py compiles (import names). Their attributes avoid the names
 #: `_thread` and `_inline`, which mypyc 2.4 emits as C keywords.
 COMPILED = (
+    "mate.arguments",
     "mate.deadlines",
     "mate.dispatch",
     "mate.entry",

@@ -39,7 +39,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from mpi4py import MPI
 
@@ -57,6 +57,10 @@ from mate.transports.mpi.rma_emulated import EmulatedRma
 from mate.transports.mpi.rma_native import NativeRma
 
 logger = logging.getLogger("mate")
+
+# Module constants: a read through the enum class is slow on Python 3.11 (mate.message).
+_SEND: Final = Op.SEND
+_RECV: Final = Op.RECV
 
 class _Send:
     """The transport's state for one send."""
@@ -132,9 +136,9 @@ class MpiTransport(Transport):
         if self._hot_spot is not None:
             self._hot_spot("mpi.post")
         op = msg.op
-        if op is Op.SEND:
+        if op is _SEND:
             self._post_send(msg)
-        elif op is Op.RECV:
+        elif op is _RECV:
             self._post_recv(msg)
         else:
             self.rma.submit(msg)

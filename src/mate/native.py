@@ -4,8 +4,9 @@ The per-message path -- the API's argument checks, the core's ledger,
 message, matching, deadlines, handler dispatch and loop entry, the transport
 contract, the ibverbs transport's engine, wire format, soft device,
 transport, progress and pin cache, and the MPI transport's transport,
-progress engine and reporter -- is compiled to C with mypyc when mate is installed (setup.py; ``MATE_COMPILE=0``
-installs pure Python, as does a build with no C compiler). The code is the
+progress engine and reporter -- is compiled to C with mypyc when mate is
+installed (setup.py; ``MATE_COMPILE=0`` installs pure Python, as does a build
+with no C compiler). The code is the
 same: each compiled module is its own source, type-checked by mypy --strict,
 and runs as Python wherever it is not compiled. `mate.world`, the API in front
 of the ledger, stays Python: compiled, its public calls would refuse arguments

@@ -815,6 +815,14 @@ def test_a_post_the_device_refuses_loses_the_peer() -> None:
     assert_completed(fabric, 0, other)
 
 
+def land_frame(fabric: Fabric, rank: int, frame: bytes, peer: int) -> None:
+    """`frame` lands in one of `rank`'s receive buffers, through its QP to `peer`."""
+    buffer = fabric.ranks[rank].srq.popleft()
+    ctypes.memmove(buffer.sge.addr, frame, len(frame))
+    fabric.inject(rank, WorkCompletion(buffer.wr_id, WcStatus.SUCCESS, WcOpcode.RECV,
+                                       len(frame), rank * 1000 + peer))
+
+
 def test_malformed_frame_loses_its_sender() -> None:
     fabric = Fabric(3, eager_size=EAGER)
     r1 = fabric.post(0, recv(10, 1, 0))
@@ -822,10 +830,7 @@ def test_malformed_frame_loses_its_sender() -> None:
     srq = fabric.ranks[0].srq
     for frame in (struct.pack("<I", 1) + b"\xff" * 60, struct.pack("<I", 99) + b"\0" * 60,
                   b"\1"):
-        buffer = srq.popleft()
-        ctypes.memmove(buffer.sge.addr, frame, len(frame))
-        fabric.inject(0, WorkCompletion(buffer.wr_id, WcStatus.SUCCESS, WcOpcode.RECV,
-                                        len(frame), 1))
+        land_frame(fabric, 0, frame, 1)
     assert_failed(fabric, 0, r1, FailureReason.PEER_UNREACHABLE)
     assert fabric.outcome(0, r2) is None
     assert fabric.engine(0).stats()["protocol_errors"] == 3
@@ -841,11 +846,7 @@ def test_a_frame_speaks_only_for_the_peer_whose_qp_it_came_on() -> None:
     fabric = Fabric(3, eager_size=EAGER)
     r1 = fabric.post(0, recv(10, 1, 5))
     r2 = fabric.post(0, recv(10, 2, 5))
-    buffer = fabric.ranks[0].srq.popleft()
-    frame = encode(1, Kind.EAGER, tag=5, length=6, data=b"forged")
-    ctypes.memmove(buffer.sge.addr, frame, len(frame))
-    fabric.inject(0, WorkCompletion(buffer.wr_id, WcStatus.SUCCESS, WcOpcode.RECV,
-                                    len(frame), 2))
+    land_frame(fabric, 0, encode(1, Kind.EAGER, tag=5, length=6, data=b"forged"), 2)
     assert_failed(fabric, 0, r2, FailureReason.PEER_UNREACHABLE)
     assert fabric.outcome(0, r1) is None
     assert fabric.engine(0).stats()["protocol_errors"] == 1

@@ -2,7 +2,11 @@
 
 The API's checks raise `InvalidArgument` (SPEC §2: from the call itself,
 never as an event) with a message that says what was expected: numbers of
-seconds, counts, choices, ranks, tags and target addresses. The command-line
+seconds, counts, choices, ranks, tags, target addresses and buffers. A
+buffer is any C-contiguous object with the buffer protocol whose items are
+not Python object references; the library works on a flat unsigned-byte
+`memoryview` of it, which also keeps the object alive until the message's
+terminal outcome (SPEC §2, Buffers). The command-line
 tools' argparse types (`positive_int`, `non_negative`) are here too.
 """
 
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import operator
+import re
 from collections.abc import Collection
 from typing import Any
 
@@ -103,6 +108,46 @@ def address(value: Any, length: int) -> int:
         raise InvalidArgument(
             f"[{result:#x}, +{length}) ends past 2**64: no exposed region can hold it")
     return result
+
+
+_NAMES = re.compile(r":[^:]*:")  # the field names of a struct format (PEP 3118)
+
+
+def buffer(obj: Any, *, writable: bool, what: str) -> memoryview:
+    """A flat byte view of `obj`, or InvalidArgument saying why it cannot be used."""
+    try:
+        # Our own view, even of a memoryview: the caller may release theirs while
+        # the message is in flight, and ours keeps the memory (SPEC §2, Buffers).
+        view = memoryview(obj)
+    except TypeError:
+        raise InvalidArgument(
+            f"{what} must support the buffer protocol (bytes, bytearray, memoryview, "
+            f"NumPy array), not {type(obj).__name__}"
+        ) from None
+    except (ValueError, BufferError) as exc:
+        # e.g. a released memoryview, or an exporter that refuses a view of itself
+        raise InvalidArgument(f"{what} cannot be used: {exc}") from exc
+    if writable and view.readonly:
+        raise InvalidArgument(
+            f"{what} is read-only; this call writes into it, so pass a writable "
+            "buffer (bytearray, writable memoryview, NumPy array)"
+        )
+    if view.format == "B" and view.ndim == 1 and view.c_contiguous:
+        return view
+    if "O" in _NAMES.sub("", view.format):
+        # Items that are references to Python objects (a NumPy object array): their
+        # bytes mean nothing elsewhere, and bytes written over them crash the process.
+        raise InvalidArgument(f"{what} holds Python objects ({view.format!r}), not data")
+    if view.nbytes == 0:
+        # Nothing to lay out: cast() refuses shapes with a zero in them (np.zeros((0, 3))),
+        # and CPython calls an empty strided view non-contiguous. Any empty byte view of
+        # the same writability stands for it (zero length is allowed).
+        return memoryview(b"" if view.readonly else bytearray())
+    if not view.c_contiguous:
+        raise InvalidArgument(f"{what} must be C-contiguous; copy it first (e.g. bytes(...))")
+    return view.cast("B")
+
+
 
 
 # -- argparse types for the command-line tools (mate-bench, mate.sim): text in ---------------

@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mate import arguments
-from mate.buffers import byte_view
 from mate.constants import ANY_SOURCE, ANY_TAG, UNSET, UnsetType
 from mate.dispatch import MODES
 from mate.errors import InvalidArgument
@@ -83,7 +82,7 @@ class World:
         A send that times out may still have reached its destination.
         """
         self._open()
-        view = byte_view(buffer, writable=False, what="send buffer")
+        view = arguments.buffer(buffer, writable=False, what="send buffer")
         dest = arguments.rank(dest, "dest", self.numprocs, wildcard=False)
         tag = arguments.tag(tag, self.tag_max, wildcard=False)
         return self._post(_SEND, view, dest, tag, 0, schedule, timeout)
@@ -92,7 +91,7 @@ class World:
              schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
         """Receive into `buffer` a message from `source` with `tag` (wildcards allowed)."""
         self._open()
-        view = byte_view(buffer, writable=True, what="recv buffer")
+        view = arguments.buffer(buffer, writable=True, what="recv buffer")
         source = arguments.rank(source, "source", self.numprocs, wildcard=True)
         tag = arguments.tag(tag, self.tag_max, wildcard=True)
         return self._post(_RECV, view, source, tag, 0, schedule, timeout)
@@ -101,7 +100,7 @@ class World:
             schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
         """Write `buffer` into `dest`'s exposed memory at `address`."""
         self._open()
-        view = byte_view(buffer, writable=False, what="put buffer")
+        view = arguments.buffer(buffer, writable=False, what="put buffer")
         dest = arguments.rank(dest, "dest", self.numprocs, wildcard=False)
         address = arguments.address(address, len(view))
         return self._post(_PUT, view, dest, 0, address, schedule, timeout)
@@ -110,7 +109,7 @@ class World:
             schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
         """Read `source`'s exposed memory at `address` into `buffer`."""
         self._open()
-        view = byte_view(buffer, writable=True, what="get buffer")
+        view = arguments.buffer(buffer, writable=True, what="get buffer")
         source = arguments.rank(source, "source", self.numprocs, wildcard=False)
         address = arguments.address(address, len(view))
         return self._post(_GET, view, source, 0, address, schedule, timeout)
@@ -118,7 +117,7 @@ class World:
     def expose(self, buffer: Any) -> Region:
         """Make `buffer` a target of peers' put and get; no collective call."""
         transport = self._open()
-        region = transport.expose(byte_view(buffer, writable=True, what="exposed buffer"))
+        region = transport.expose(arguments.buffer(buffer, writable=True, what="exposed buffer"))
         self._exposed[region] += 1
         return region
 

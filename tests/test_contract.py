@@ -151,6 +151,41 @@ async def test_reports_from_another_thread_hop_once_and_a_bad_one_fails_alone() 
     await world.shutdown()
 
 
+async def test_with_handlers_on_the_loop_a_message_takes_no_lock() -> None:
+    """Issue 11, point 3: no cross-thread lock when everything runs on the loop's
+    thread. Another thread holds the ledger's lock while a message is posted, awaited,
+    reported and woken on the loop; had any of these taken the lock, the loop would
+    have stopped until the holder gave up."""
+    loop = asyncio.get_running_loop()
+    world = World(loop, default_timeout=1.0, handlers="loop")
+    world.attach(_Silent())
+    held, done = threading.Event(), threading.Event()
+    gave_up = False
+
+    def hold() -> None:
+        nonlocal gave_up
+        with world.sink._lock:  # type: ignore[attr-defined]
+            held.set()
+            gave_up = not done.wait(2.0)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    try:
+        recv = world.recv(bytearray(4), 1, 3)
+        loop.call_soon(world.sink.report_all, [Report(Input.COMPLETED, recv, 4, 1, 3)])
+        assert (await recv).length == 4
+        recv = world.recv(bytearray(4), 1, 3)
+        recv.cancel()
+        world.sink.cancelled(recv)  # the transport's confirmation
+    finally:
+        done.set()
+        holder.join()
+    assert not gave_up
+    assert recv.state is State.CANCELLED
+    await world.shutdown()
+
+
 class _SlowToPost(_Silent):
     """A threaded wire that takes a while to post, and can stop only what it was given."""
 

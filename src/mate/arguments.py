@@ -2,7 +2,8 @@
 
 The API's checks raise `InvalidArgument` (SPEC §2: from the call itself,
 never as an event) with a message that says what was expected: numbers of
-seconds, counts, choices, ranks, tags, target addresses and buffers. A
+seconds, counts, choices, ranks, tags, target addresses, buffers,
+schedules and timeouts. A
 buffer is any C-contiguous object with the buffer protocol whose items are
 not Python object references; the library works on a flat unsigned-byte
 `memoryview` of it, which also keeps the object alive until the message's
@@ -19,8 +20,9 @@ import re
 from collections.abc import Collection
 from typing import Any
 
-from mate.constants import ANY_SOURCE, ANY_TAG
+from mate.constants import ANY_SOURCE, ANY_TAG, UNSET
 from mate.errors import InvalidArgument
+from mate.schedule import NO_SCHEDULE, Schedule
 
 ADDRESS_LIMIT = 2**64  # one past the last byte a region can hold
 
@@ -36,6 +38,25 @@ def seconds(value: Any, what: str) -> float:
     if not math.isfinite(result) or result < 0:
         raise InvalidArgument(f"{what} must be finite and >= 0, not {value!r}")
     return result
+
+
+def schedule(value: Any) -> Schedule:
+    """A message's schedule: a `Schedule`, or None for none."""
+    if value is None:
+        return NO_SCHEDULE
+    if not isinstance(value, Schedule):
+        raise InvalidArgument(f"schedule must be a mate.Schedule or None, not {value!r}")
+    return value
+
+
+def timeout(value: Any, checked: Schedule, default: float) -> float | None:
+    """A message's seconds to its timeout, or None for none. Unset means the world's
+    default when the schedule handles timeouts, else none."""
+    if value is UNSET:
+        return default if checked.timeout is not None else None
+    if value is None:
+        return None
+    return seconds(value, "timeout")
 
 
 def probability(value: Any, what: str) -> float:

@@ -4,7 +4,8 @@
 here, on every message, so this module is compiled (`mate.native`). The
 ledger keeps the outstanding messages, arms their deadlines, posts them to
 the transport, and turns what the transport reports into state changes
-(`Message.apply`, under the ledger's lock), schedule handlers
+(`Message.apply`, under the ledger's lock when other threads make changes
+too), schedule handlers
 (`mate.dispatch`) and woken awaiters.
 
 Reports may come from any thread. With handlers on the loop, a report that
@@ -23,14 +24,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+from mate import arguments
 from mate.deadlines import Deadlines, LoopDeadlines, ThreadDeadlines
 from mate.dispatch import Dispatcher
 from mate.entry import EntryQueue
-from mate.errors import FailureReason
-from mate.machine import Input
+from mate.errors import FailureReason, InvalidArgument
+from mate.machine import Input, Step
 from mate.message import Message, Waiters
 from mate.schedule import NO_SCHEDULE, Op, State
 from mate.transports.base import Operation, Report, Transport, failure
@@ -53,7 +56,13 @@ class Ledger:
         self._at_once = handlers == "progress"
         self._deadlines: Deadlines = (ThreadDeadlines(self._expire) if self._at_once
                                       else LoopDeadlines(loop, self._expire))
-        self._lock = threading.Lock()  # guards message states, waiters, the outstanding set
+        # Guards message states, waiters and the outstanding set when other threads
+        # change them: with handlers in the progress thread, where reports, handlers and
+        # the timeout thread run. Otherwise every change is made on the loop's thread
+        # (reports from other threads hop there first), and the per-message calls skip
+        # the lock: taking it costs more than the change it guards.
+        self._lock = threading.Lock()
+        self._threaded = self._at_once
         self._outstanding: set[Message] = set()
         # Counters for stats(): [messages, bytes] completed by op, and other endings.
         self._completed = {op: [0, 0] for op in Op}
@@ -70,6 +79,25 @@ class Ledger:
 
     # -- the world's calls -----------------------------------------------------------------
 
+    def open_transport(self) -> Transport:
+        """The transport, or InvalidArgument once the world has shut down."""
+        transport = self.transport
+        if self.closed or transport is None:
+            raise InvalidArgument("this world has been shut down")
+        return transport
+
+    def submit(self, op: Op, view: memoryview, peer: int, tag: int, address: int,
+               schedule: Any, timeout: Any, default_timeout: float) -> Message:
+        """Make and post a message whose other arguments the world has checked.
+
+        The world's send, recv, put and get end here in one call: they run
+        interpreted, and every frame they make costs each message."""
+        self.open_transport()
+        checked = arguments.schedule(schedule)
+        seconds = arguments.timeout(timeout, checked, default_timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        return self.post(Message(self, op, view, peer, tag, address, checked, deadline))
+
     def post(self, msg: Message) -> Message:
         """Record `msg`, hand it to the transport (the world checked that there is one,
         open) and arm its deadline. Armed only once posted: a timeout thread
@@ -77,7 +105,10 @@ class Ledger:
         has not been given, the cancel would be lost and the message never end."""
         transport = self.transport
         assert transport is not None
-        with self._lock:
+        if self._threaded:
+            with self._lock:
+                self._outstanding.add(msg)
+        else:
             self._outstanding.add(msg)
         transport.post(msg)
         if msg.deadline is not None:
@@ -171,22 +202,11 @@ class Ledger:
                 peer: int | None = None, tag: int | None = None,
                 error: BaseException | None = None) -> None:
         """Feed `inp` to `msg`'s state machine and carry out what it says."""
-        with self._lock:
-            was_live = not msg.done()
-            step = msg.apply(inp)
-            ended = was_live and msg.done()
-            if ended:
-                msg.settle(length, peer, tag, error)
-                self._outstanding.discard(msg)
-                if step.state is _COMPLETED_STATE:
-                    completed = self._completed[msg.op]
-                    completed[0] += 1
-                    completed[1] += msg.length
-                else:
-                    self._endings[step.state] += 1
-                if msg.deadline is not None:
-                    self._deadlines.ended()
-            woken = msg.take_waiters() if step.events or ended else None
+        if self._threaded:
+            with self._lock:
+                step, woken = self._change(msg, inp, length, peer, tag, error)
+        else:
+            step, woken = self._change(msg, inp, length, peer, tag, error)
         if step.ask_cancel:
             assert self.transport is not None
             self.transport.cancel(msg)
@@ -197,7 +217,30 @@ class Ledger:
                 if handler is not None:
                     self._dispatcher.dispatch(handler, msg.receipt_for(event), data)
         if woken:
-            self._entry.call_on_loop(_wake_all, woken)
+            if self._threaded:
+                self._entry.call_on_loop(_wake_all, woken)
+            else:  # on the loop's thread already
+                _wake_all(woken)
+
+    def _change(self, msg: Message, inp: Input, length: int | None, peer: int | None,
+                tag: int | None, error: BaseException | None) -> tuple[Step, Waiters | None]:
+        """`advance`'s part under the lock: the state change and its bookkeeping."""
+        was_live = not msg.done()
+        step = msg.apply(inp)
+        ended = was_live and msg.done()
+        if ended:
+            msg.settle(length, peer, tag, error)
+            self._outstanding.discard(msg)
+            if step.state is _COMPLETED_STATE:
+                completed = self._completed[msg.op]
+                completed[0] += 1
+                completed[1] += msg.length
+            else:
+                self._endings[step.state] += 1
+            if msg.deadline is not None:
+                self._deadlines.ended()
+        woken = msg.take_waiters() if step.events or ended else None
+        return step, woken
 
     # -- awaitables ---------------------------------------------------------------------------
 
@@ -206,9 +249,13 @@ class Ledger:
         None if that has happened already. The awaiter cancels the message if the
         future is cancelled (`mate.message.wait`)."""
         future = self._loop.create_future()
-        with self._lock:
-            if not msg.add_waiter(future, submission=submission):
-                return None
+        if self._threaded:
+            with self._lock:
+                added = msg.add_waiter(future, submission=submission)
+        else:
+            added = msg.add_waiter(future, submission=submission)
+        if not added:
+            return None
         if self.transport is not None and not self.closed:
             self.transport.awaiting(msg, msg.done)
         return future

@@ -3,12 +3,14 @@
 A `Message` is what the user holds; to its transport it is an `Operation`
 (`mate.transports.base`), the fields the wire needs. Its state changes only by
 `apply`, which looks the input up in the pure state machine of
-`mate.machine`; the ledger (`mate.ledger`) calls it under its lock and carries
+`mate.machine`; the ledger (`mate.ledger`) calls it (under its lock, where
+other threads make changes) and carries
 out the outputs.
 
 The handle owns its awaiters: one future per awaiting task (so that
 cancelling one task never cancels another's await), registered by `waiter`
-and detached by `take_waiters`, both under the ledger's lock, so that no
+and detached by `take_waiters`, both under the ledger's lock (or both on the
+loop's thread), so that no
 wake-up is lost between a task's look at the state and its registration; the
 ledger wakes them on the loop's thread.
 """
@@ -181,7 +183,7 @@ class Message(Operation):
         assert isinstance(self.error, (MessageTimeout, MessageFailed)), state
         raise self.error
 
-    # -- what the ledger calls, under its lock ---------------------------------------
+    # -- what the ledger calls (under its lock where other threads make changes) --------
 
     def apply(self, inp: Input) -> Step:
         """Apply `inp` to this message; ProtocolError if it can never receive it."""

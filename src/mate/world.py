@@ -1,18 +1,19 @@
 """The world: the MATE API of one process.
 
-`World` checks every argument, raising `InvalidArgument` from the call
-itself, and hands the message to its ledger (`mate.ledger`). The ledger posts
-it to the transport, is the sink the transport reports to, and turns the
-reports into events, handlers and woken awaiters. This module stays
-interpreted: a compiled call would reject a numpy integer with a TypeError
-before `mate.arguments` could accept or refuse it.
+`World` checks every argument with `mate.arguments`, raising
+`InvalidArgument` from the call itself, and hands the message to its ledger
+(`mate.ledger`) in one call, `Ledger.submit`, which checks the schedule and
+the timeout, makes the `Message` and posts it. The ledger posts it to the
+transport, is the sink the transport reports to, and turns the reports into
+events, handlers and woken awaiters. This module stays interpreted: a
+compiled call would reject a numpy integer with a TypeError before
+`mate.arguments` could accept or refuse it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,7 +24,7 @@ from mate.dispatch import MODES
 from mate.errors import InvalidArgument
 from mate.ledger import Ledger
 from mate.message import Message
-from mate.schedule import NO_SCHEDULE, Op, Region, Schedule
+from mate.schedule import Op, Region, Schedule
 from mate.transports.base import Sink, Transport
 
 Timeout = float | None | UnsetType
@@ -81,38 +82,38 @@ class World:
 
         A send that times out may still have reached its destination.
         """
-        self._open()
         view = arguments.buffer(buffer, writable=False, what="send buffer")
         dest = arguments.rank(dest, "dest", self.numprocs, wildcard=False)
         tag = arguments.tag(tag, self.tag_max, wildcard=False)
-        return self._post(_SEND, view, dest, tag, 0, schedule, timeout)
+        return self._ledger.submit(_SEND, view, dest, tag, 0, schedule, timeout,
+                                   self.default_timeout)
 
     def recv(self, buffer: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG, *,
              schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
         """Receive into `buffer` a message from `source` with `tag` (wildcards allowed)."""
-        self._open()
         view = arguments.buffer(buffer, writable=True, what="recv buffer")
         source = arguments.rank(source, "source", self.numprocs, wildcard=True)
         tag = arguments.tag(tag, self.tag_max, wildcard=True)
-        return self._post(_RECV, view, source, tag, 0, schedule, timeout)
+        return self._ledger.submit(_RECV, view, source, tag, 0, schedule, timeout,
+                                   self.default_timeout)
 
     def put(self, buffer: Any, dest: int, address: int, *,
             schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
         """Write `buffer` into `dest`'s exposed memory at `address`."""
-        self._open()
         view = arguments.buffer(buffer, writable=False, what="put buffer")
         dest = arguments.rank(dest, "dest", self.numprocs, wildcard=False)
         address = arguments.address(address, len(view))
-        return self._post(_PUT, view, dest, 0, address, schedule, timeout)
+        return self._ledger.submit(_PUT, view, dest, 0, address, schedule, timeout,
+                                   self.default_timeout)
 
     def get(self, buffer: Any, source: int, address: int, *,
             schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
         """Read `source`'s exposed memory at `address` into `buffer`."""
-        self._open()
         view = arguments.buffer(buffer, writable=True, what="get buffer")
         source = arguments.rank(source, "source", self.numprocs, wildcard=False)
         address = arguments.address(address, len(view))
-        return self._post(_GET, view, source, 0, address, schedule, timeout)
+        return self._ledger.submit(_GET, view, source, 0, address, schedule, timeout,
+                                   self.default_timeout)
 
     def expose(self, buffer: Any) -> Region:
         """Make `buffer` a target of peers' put and get; no collective call."""
@@ -154,26 +155,7 @@ class World:
     # -- argument checks -----------------------------------------------------------
 
     def _open(self) -> Transport:
-        transport = self._ledger.transport
-        if self._ledger.closed or transport is None:
-            raise InvalidArgument("this world has been shut down")
-        return transport
-
-    def _post(self, op: Op, view: memoryview, peer: int, tag: int, address: int,
-              schedule: Schedule | None, timeout: Timeout) -> Message:
-        if schedule is None:
-            schedule = NO_SCHEDULE
-        elif not isinstance(schedule, Schedule):
-            raise InvalidArgument(f"schedule must be a mate.Schedule or None, not {schedule!r}")
-        if timeout is UNSET:
-            seconds = self.default_timeout if schedule.timeout is not None else None
-        elif timeout is None:
-            seconds = None
-        else:
-            seconds = arguments.seconds(timeout, "timeout")
-        deadline = None if seconds is None else time.monotonic() + seconds
-        ledger = self._ledger
-        return ledger.post(Message(ledger, op, view, peer, tag, address, schedule, deadline))
+        return self._ledger.open_transport()
 
     def __repr__(self) -> str:
         transport = self._ledger.transport

@@ -44,6 +44,9 @@ logger = logging.getLogger("mate")
 # slow on Python 3.11).
 _SUBMITTED: Final = Input.SUBMITTED
 _COMPLETED: Final = Input.COMPLETED
+_FAILED: Final = Input.FAILED
+_CANCELLED: Final = Input.CANCELLED
+_TIMEOUT: Final = Input.TIMEOUT
 _COMPLETED_STATE: Final = State.COMPLETED
 
 
@@ -139,7 +142,7 @@ class Ledger:
 
     def _expire(self, msg: Message) -> None:
         """Its deadline passed (the loop's or the timeout thread's clock)."""
-        self.advance(msg, Input.TIMEOUT)
+        self.advance(msg, _TIMEOUT)
 
     # -- the sink: what the transport reports, from any thread -----------------------------
 
@@ -152,10 +155,10 @@ class Ledger:
     def failed(self, op: Operation, reason: FailureReason, detail: str = "", *,
                cause: BaseException | None = None, length: int = 0,
                peer: int | None = None, tag: int | None = None) -> None:
-        self._route(Report(Input.FAILED, op, length, peer, tag, failure(reason, detail, cause)))
+        self._route(Report(_FAILED, op, length, peer, tag, failure(reason, detail, cause)))
 
     def cancelled(self, op: Operation) -> None:
-        self._route(Report(Input.CANCELLED, op))
+        self._route(Report(_CANCELLED, op))
 
     def report_all(self, reports: Sequence[Report]) -> None:
         if not (self._at_once or self._entry.on_loop_thread()):

@@ -43,6 +43,7 @@ _TIMED_OUT: Final = State.TIMED_OUT
 _FAILED: Final = State.FAILED
 _CANCELLED: Final = State.CANCELLED
 _NO_PENDING: Final = Pending.NONE
+_USER_CANCEL: Final = Input.USER_CANCEL
 _SUBMISSION: Final = Event.SUBMISSION
 _COMPLETION: Final = Event.COMPLETION
 _TIMEOUT: Final = Event.TIMEOUT
@@ -158,7 +159,7 @@ class Message(Operation):
         """
         if self.done():
             return False
-        self._ledger.advance(self, Input.USER_CANCEL)
+        self._ledger.advance(self, _USER_CANCEL)
         return True
 
     @property

@@ -189,6 +189,7 @@ _SUCCESS: Final = WcStatus.SUCCESS
 _FLUSH: Final = WcStatus.WR_FLUSH_ERR
 _RTS: Final = QPState.RTS
 _ERR: Final = QPState.ERR
+_SEND_OP: Final = Opcode.SEND
 _RDMA_READ: Final = Opcode.RDMA_READ
 _RDMA_WRITE: Final = Opcode.RDMA_WRITE
 _WC_OPCODE: Final = {Opcode.SEND: WcOpcode.SEND, Opcode.RDMA_WRITE: WcOpcode.RDMA_WRITE,
@@ -537,7 +538,7 @@ class SoftQP(QueuePair):
                     error = WcStatus.LOC_LEN_ERR
                 elif not _covers(mr, self._pd, sge.addr, length, need):
                     error = WcStatus.LOC_PROT_ERR
-            direct = op is not Opcode.SEND and self._direct is not None
+            direct = op is not _SEND_OP and self._direct is not None
             self._waiting.append(_Req(wr, op, mr, length, error, direct))
             self._pump()
             if dev._raised:

@@ -18,6 +18,8 @@ from mate.transports.base import Operation, Report, Sink, failure
 # Module constants: a read through the enum class is slow on Python 3.11 (mate.message).
 _SUBMITTED: Final = Input.SUBMITTED
 _COMPLETED: Final = Input.COMPLETED
+_FAILED: Final = Input.FAILED
+_CANCELLED: Final = Input.CANCELLED
 
 
 class Reporter:
@@ -34,11 +36,11 @@ class Reporter:
     def failed(self, op: Operation, reason: FailureReason, detail: str,
                cause: BaseException | None = None, *, length: int = 0,
                peer: int | None = None, tag: int | None = None) -> None:
-        self._reports.append(Report(Input.FAILED, op, length, peer, tag,
+        self._reports.append(Report(_FAILED, op, length, peer, tag,
                                     failure(reason, detail, cause)))
 
     def cancelled(self, op: Operation) -> None:
-        self._reports.append(Report(Input.CANCELLED, op))
+        self._reports.append(Report(_CANCELLED, op))
 
     def hand_over(self) -> None:
         """The pass is over: tell the core what it found."""

@@ -61,6 +61,10 @@ logger = logging.getLogger("mate")
 # Module constants: a read through the enum class is slow on Python 3.11 (mate.message).
 _SEND: Final = Op.SEND
 _RECV: Final = Op.RECV
+# MPI's constants, read once: a compiled read from the module is a dictionary lookup.
+_MPI_ANY_SOURCE: Final = MPI.ANY_SOURCE
+_MPI_ANY_TAG: Final = MPI.ANY_TAG
+_MPI_BYTE: Final = MPI.BYTE
 
 class _Send:
     """The transport's state for one send."""
@@ -177,8 +181,8 @@ class MpiTransport(Transport):
             self.report.completed(msg, len(msg.buffer), msg.peer, msg.tag)
 
     def _post_recv(self, msg: Operation) -> None:
-        source = MPI.ANY_SOURCE if msg.peer == ANY_SOURCE else msg.peer
-        tag = MPI.ANY_TAG if msg.tag == ANY_TAG else msg.tag
+        source = _MPI_ANY_SOURCE if msg.peer == ANY_SOURCE else msg.peer
+        tag = _MPI_ANY_TAG if msg.tag == ANY_TAG else msg.tag
         try:
             request = self.comm.Irecv(msg.buffer, source, tag)
         except MPI.Exception as exc:
@@ -193,7 +197,7 @@ class MpiTransport(Transport):
         if status.Is_cancelled():
             self.report.cancelled(msg)
             return
-        length = status.Get_count(MPI.BYTE)
+        length = status.Get_count(_MPI_BYTE)
         source, tag = status.Get_source(), status.Get_tag()
         if error is None:
             self.report.completed(msg, length, source, tag)

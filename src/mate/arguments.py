@@ -1,14 +1,13 @@
 """Every argument check of mate, in one place.
 
-The API's checks raise `InvalidArgument` (SPEC §2: from the call itself,
-never as an event) with a message that says what was expected: numbers of
-seconds, counts, choices, ranks, tags, target addresses, buffers,
-schedules and timeouts. A
-buffer is any C-contiguous object with the buffer protocol whose items are
-not Python object references; the library works on a flat unsigned-byte
-`memoryview` of it, which also keeps the object alive until the message's
-terminal outcome (SPEC §2, Buffers). The command-line
-tools' argparse types (`positive_int`, `non_negative`) are here too.
+The API's checks raise `InvalidArgument` (SPEC §2: from the call itself, never
+as an event) with a message that says what was expected: numbers of seconds,
+counts, choices, ranks, tags, target addresses, buffers, schedules and
+timeouts. A buffer is any C-contiguous object with the buffer protocol whose
+items are not Python object references; the library works on a flat
+unsigned-byte `memoryview` of it, which also keeps the object alive until the
+message's terminal outcome (SPEC §2, Buffers). The command-line tools'
+argparse types (`positive_int`, `non_negative`) are here too.
 """
 
 from __future__ import annotations

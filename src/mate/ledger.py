@@ -1,12 +1,13 @@
 """The ledger: this process's messages, and the sink its transport reports to.
 
-`mate.world` checks the user's arguments; everything after that happens
-here, on every message, so this module is compiled (`mate.native`). The
-ledger keeps the outstanding messages, arms their deadlines, posts them to
-the transport, and turns what the transport reports into state changes
-(`Message.apply`, under the ledger's lock when other threads make changes
-too), schedule handlers
-(`mate.dispatch`) and woken awaiters.
+`mate.world` checks the user's arguments and hands each message over in one
+call, `Ledger.submit`, which checks its schedule and timeout; everything after
+that happens here, on every message, so this module is compiled
+(`mate.native`). The ledger keeps the outstanding messages, arms their
+deadlines, posts them to the transport, and turns what the transport reports
+into state changes (`Message.apply`, under the ledger's lock when other
+threads make changes too), schedule handlers (`mate.dispatch`) and woken
+awaiters.
 
 Reports may come from any thread. With handlers on the loop, a report that
 comes from another thread is applied on the loop's thread, through the one

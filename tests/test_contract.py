@@ -186,6 +186,72 @@ async def test_with_handlers_on_the_loop_a_message_takes_no_lock() -> None:
     await world.shutdown()
 
 
+class _SubmitsAtPost(_Silent):
+    """A wire that knows at post that a send's buffer is free (as an eager copy does)."""
+
+    supports_progress_handlers = True
+
+    def post(self, op: Operation) -> None:
+        if op.op is mate.Op.SEND:
+            if self.sink.reports_in_post:
+                self.sink.submitted(op)
+            else:
+                asyncio.get_running_loop().call_soon(self.sink.submitted, op)
+
+
+@pytest.mark.parametrize("handlers", ["loop", "progress"])
+async def test_what_post_finds_is_taken_at_once_but_no_handler_runs_inside_the_call(
+        handlers: str) -> None:
+    """Issue 11, point 3: no loop turn just to hand over what `post` found. With handlers
+    on the loop the sink takes reports from inside `post`: the send is SUBMITTED when
+    the call returns, and its handler still runs only later. With handlers in the
+    progress thread, where a handler would run at once, the sink does not."""
+    world = World(asyncio.get_running_loop(), default_timeout=1.0, handlers=handlers)
+    wire = _SubmitsAtPost()
+    wire.bind(world.sink)
+    world.attach(wire)
+    ran: list[State] = []
+    try:
+        assert world.sink.reports_in_post is (handlers == "loop")
+        send = world.send(b"abcd", 1, 3, schedule=Schedule(
+            submission=lambda receipt, data: ran.append(send.state)))
+        assert not ran, "a handler ran inside the posting call"
+        assert send.state is (State.SUBMITTED if handlers == "loop" else State.POSTED)
+        await asyncio.wait_for(send.submitted, 2)  # type: ignore[arg-type]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert ran == [State.SUBMITTED]
+        send.cancel()
+        world.sink.cancelled(send)
+    finally:
+        await world.shutdown()
+
+
+async def test_an_eager_send_is_submitted_when_the_call_returns(fabric: Fabric) -> None:
+    """The same on a real wire: ibverbs copies an eager send into a registered slot at
+    post, so with handlers on the loop the send is SUBMITTED as the call returns."""
+    eager = False
+
+    async def program(world: mate.World) -> None:
+        nonlocal eager
+        peer = (world.mypid + 1) % world.numprocs
+        left = (world.mypid - 1) % world.numprocs
+        ran: list[int] = []
+        recv = world.recv(bytearray(8), left, 53)
+        send = world.send(b"12345678", peer, 53,
+                          schedule=Schedule(submission=lambda r, d: ran.append(1)))
+        assert not ran, "a handler ran inside the posting call"
+        eager = send.state is State.SUBMITTED
+        await asyncio.gather(send, recv)
+        assert ran == [1]
+        await barrier(world)
+
+    async with fabric.open() as group:
+        await group.run(program)
+    if fabric.transport == "ibverbs":
+        assert eager, "the eager send was not submitted inside the posting call"
+
+
 class _SlowToPost(_Silent):
     """A threaded wire that takes a while to post, and can stop only what it was given."""
 

@@ -520,7 +520,6 @@ class Reordering(Transport):
         self.mypid, self.numprocs = self.inner.mypid, self.inner.numprocs
         self.tag_max = self.inner.tag_max
         self._sink = world.sink
-        self.reports_in_post = False  # as a sink: what the inner transport reports comes later
         self._loop = asyncio.get_running_loop()
         self._batch: list[Report] = []
         self.reversed = 0  # batches whose receives' outcomes were reversed

@@ -160,7 +160,6 @@ class Layer(Transport):
         self.inner = inner
         self.mypid, self.numprocs, self.tag_max = inner.mypid, inner.numprocs, inner.tag_max
         self._sink = sink
-        self.reports_in_post = False  # as a sink: what the inner transport reports comes later
         self.loop = asyncio.get_running_loop()
         self.carriers: dict[Operation, Operation | None] = {}  # carrier -> original / None
         inner.bind(self)

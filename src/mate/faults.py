@@ -284,9 +284,6 @@ class FaultyTransport(Transport):
         self.inner = inner
         self.mypid, self.numprocs, self.tag_max = inner.mypid, inner.numprocs, inner.tag_max
         self.supports_progress_handlers = inner.supports_progress_handlers
-        # As the inner transport's sink: its reports come after its post returns, never
-        # inside the layer's own post, which keeps "events soon after, never inside".
-        self.reports_in_post = False
         # The protocol is chosen once: every rank's layer must speak the same.
         self.sequenced = plan.duplicate > 0
         self.plan = plan  # checked by the setter

@@ -71,9 +71,6 @@ class Ledger:
         # Counters for stats(): [messages, bytes] completed by op, and other endings.
         self._completed = {op: [0, 0] for op in Op}
         self._endings = {State.TIMED_OUT: 0, State.FAILED: 0, State.CANCELLED: 0}
-        # Handlers on the loop: a report applied inside the posting call runs no user
-        # code, so the transport may hand over what its `post` found at once.
-        self.reports_in_post = not self._at_once
         self.transport: Transport | None = None  # the world's, set by attach
         self.mypid = 0
         self.closed = False

@@ -14,11 +14,9 @@ happens to it through the `Sink` it was opened with. Data flows like this:
 
 Rules a transport keeps:
 
-* `post` starts the operation and returns; it never raises for a fault of
-  the transfer: faults are `sink.failed`. It reports an event from inside
-  `post` (an eager send's submission, data that had already arrived) only
-  when `sink.reports_in_post` says the sink takes it there; otherwise it
-  reports soon after. Either way handlers never run inside the posting call.
+* `post` starts the operation and returns; it never reports an event from
+  inside `post` (handlers never run inside the posting call), and it never
+  raises for a fault of the transfer: faults are `sink.failed`.
 * Every posted operation gets exactly one terminal report: `completed`,
   `failed`, or (only after `cancel` was asked) `cancelled`. `submitted` is
   reported at most once, for send and put, before or together with
@@ -41,8 +39,7 @@ Threads:
   from the core's timeout thread: a transport with threads makes them safe to
   call from any of these. `unexpose` and `shutdown` are coroutines on the
   loop; `awaiting` is called on the loop's thread.
-* The sink may be called from any thread, at any time but from inside `post`
-  (unless `sink.reports_in_post`).
+* The sink may be called from any thread, at any time but from inside `post`.
   The core alone moves work onto the loop's thread (one lock and one
   `call_soon_threadsafe` per batch), so a transport has no hop of its own:
   a progress pass that completes many operations hands them over at once
@@ -124,12 +121,6 @@ def failure(reason: FailureReason, detail: str = "",
 
 class Sink(Protocol):
     """What a transport reports back to the core; callable from any thread."""
-
-    #: Whether a report may come from inside `post` (on the posting thread). The world
-    #: says yes when handlers run on the loop: applying a report then runs no user code
-    #: (handlers are queued, awaiters woken by callbacks), and taking what `post` found
-    #: at once spares a turn of the loop per message.
-    reports_in_post: bool
 
     def submitted(self, op: Operation) -> None:
         """The local buffer is no longer read (send and put)."""

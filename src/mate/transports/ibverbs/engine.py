@@ -9,7 +9,8 @@ handed to a `Wire` (one RC QP per peer, the rank itself included, and one
 shared receive queue), and `Report`s, collected until the driver takes them
 (`take_reports`). It never blocks, sleeps, locks or reads a clock: the
 driver (transport.py) calls it under one lock and hands the reports to the
-sink after the call returns, outside the lock. Frames are defined in wire.py.
+sink after the call returns, so no report is ever delivered from inside
+`post`. Frames are defined in wire.py.
 
 Credits (§5.3). At `start` the engine posts ``size * (credits + 1)`` receive
 buffers of ``header + eager_size`` bytes to the SRQ: for every peer,

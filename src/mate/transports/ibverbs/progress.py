@@ -19,11 +19,11 @@ who calls it:
 
 Two calls tell a mode what the transport did. `posted()`: work was started.
 Its completions will make the channel readable, so only ``poll`` acts (it
-starts polling). `kick()`: a call left reports (a cancel's answer, a failed
-keepalive probe, or what `post` found when the core does not take reports
-inside `post`: handlers in the progress thread); they are delivered soon by
-`deliver`, which hands them over without touching the device (by a full
-pass in ``thread`` mode, where handlers run on the progress thread).
+starts polling). `kick()`: a call left reports (an eager send's submission,
+a failure found at post time: the core never takes reports from inside
+`post`); they are delivered soon by `deliver`, which hands them over without
+touching the device (by a full pass in ``thread`` mode, where handlers run
+on the progress thread).
 """
 
 from __future__ import annotations

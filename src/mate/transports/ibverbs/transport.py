@@ -117,15 +117,9 @@ class IbverbsTransport(Transport):
                 return
             self._engine.post(op)
             reports = self._engine.take_reports()
-            taken = None
             if reports:
-                self._pending += reports  # behind what earlier calls left: order is kept
-                if self._sink.reports_in_post:
-                    taken, self._pending = self._pending, []
-        if taken:
-            self._sink.report_all(taken)  # at once: no turn of the loop just to hand them over
-            self._progress.posted()
-        elif reports:
+                self._pending += reports
+        if reports:
             self._progress.kick()
         else:
             self._progress.posted()

@@ -168,8 +168,6 @@ def buffer(obj: Any, *, writable: bool, what: str) -> memoryview:
     return view.cast("B")
 
 
-
-
 # -- argparse types for the command-line tools (mate-bench, mate.sim): text in ---------------
 
 

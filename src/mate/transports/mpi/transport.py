@@ -66,6 +66,7 @@ _MPI_ANY_SOURCE: Final = MPI.ANY_SOURCE
 _MPI_ANY_TAG: Final = MPI.ANY_TAG
 _MPI_BYTE: Final = MPI.BYTE
 
+
 class _Send:
     """The transport's state for one send."""
 

@@ -1,7 +1,8 @@
 """mate's build: pyproject.toml holds the metadata; this adds the compiled modules.
 
 The modules of `mate.native.COMPILED` (the per-message path) are compiled to
-C with mypyc, and the SHA-256 of each source compiled is recorded beside them
+C with mypyc, those of `mate.native.EXTENSIONS` are built from their C source,
+and the SHA-256 of each source compiled is recorded beside them
 (`mate.native` loads the sources instead if one changes later). Pure Python
 is installed instead when ``MATE_COMPILE=0``, or when there is no C compiler,
 with a note saying so; every module works either way.
@@ -17,7 +18,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
@@ -74,7 +75,9 @@ def extensions() -> list:
     from mypyc.build import mypycify
 
     paths = [str(NATIVE.source_of(m, Path("src/mate"))) for m in NATIVE.COMPILED]
-    return mypycify(paths, opt_level="3", group_name="mate")
+    c_modules = [Extension(m, [str(NATIVE.source_of(m, Path("src/mate")))])
+                 for m in NATIVE.EXTENSIONS]
+    return [*mypycify(paths, opt_level="3", group_name="mate"), *c_modules]
 
 
 setup(ext_modules=extensions(), cmdclass={"build_py": BuildPy, "build_ext": BuildExt})

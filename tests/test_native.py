@@ -3,6 +3,7 @@ path on request, and never a compiled module older than its source."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mate import native
+from mate import buffers, native
 
 PACKAGE = Path(native.__file__).parent
 BUILT = (PACKAGE / native.RECORD).exists()
@@ -34,9 +35,13 @@ def _probe(env_extra: dict[str, str], path: Path | None = None) -> subprocess.Co
                           capture_output=True, text=True, timeout=60, cwd=path or None)
 
 
+ALL = [*native.COMPILED, *native.EXTENSIONS]
+
+
 def test_record_names_each_compiled_source() -> None:
     record = native.record(PACKAGE)
-    assert sorted(record) == sorted(native.COMPILED)
+    assert sorted(record) == sorted(ALL)
+    assert native.source_of("mate._buffer", PACKAGE).name == "_buffer.c"
     assert native.changed(record, PACKAGE) == []
 
 
@@ -54,7 +59,7 @@ def test_changed_finds_an_edited_or_missing_source(tmp_path: Path) -> None:
 def test_every_listed_module_runs_compiled() -> None:
     if os.environ.get(native.PURE_VARIABLE):
         pytest.skip(f"{native.PURE_VARIABLE} is set")
-    assert native.compiled() == list(native.COMPILED)
+    assert native.compiled() == ALL
 
 
 def test_pure_python_on_request() -> None:
@@ -73,14 +78,37 @@ def test_an_edited_source_runs_every_compiled_module_from_source(tmp_path: Path)
         shutil.copy2(group, tmp_path)
     fresh = _probe({}, tmp_path)
     assert fresh.returncode == 0, fresh.stderr
-    assert fresh.stdout.strip().split(",") == list(native.COMPILED)
+    assert fresh.stdout.strip().split(",") == ALL
 
     wire = tmp_path / "mate" / "transports" / "ibverbs" / "wire.py"
     wire.write_text(wire.read_text() + "\n# edited after the build\n")
     stale = _probe({}, tmp_path)
     assert stale.returncode == 0, stale.stderr
-    assert stale.stdout.strip() == ""  # all of them from source, not a mix
+    assert stale.stdout.strip() == ""  # all of them from source (C module left out), not a mix
     assert "mate.transports.ibverbs.wire changed since it was compiled" in stale.stderr
 
     recorded = json.loads((tmp_path / "mate" / native.RECORD).read_text())
     assert recorded["mate.transports.ibverbs.wire"] != native.digest(wire)
+
+
+
+def _expected_address(obj: bytes | bytearray, offset: int) -> int:
+    """The address of `obj[offset]`, found by ctypes without mate."""
+    if isinstance(obj, bytes):
+        base = ctypes.cast(ctypes.c_char_p(obj), ctypes.c_void_p).value
+    else:
+        base = ctypes.addressof(ctypes.c_char.from_buffer(obj))
+    assert base is not None
+    return base + offset
+
+
+@pytest.mark.parametrize("kind", [bytearray, bytes])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_buffer_address_of_both_ways(kind: type, offset: int) -> None:
+    """The compiled `mate._buffer` (when it runs) and the ctypes fallback agree, on
+    writable and read-only views, at an offset into the exporter too."""
+    obj = kind(b"0123456789")
+    view = memoryview(obj)[offset:]
+    expected = _expected_address(obj, offset)
+    assert buffers._address_of(view) == expected
+    assert buffers.address_of(view) == expected

@@ -1,8 +1,10 @@
 """Where a buffer lives: the address of a byte view's first byte.
 
 The views are the flat byte `memoryview`s that `mate.arguments.buffer`
-makes of user buffers. Taking an address needs ctypes, which is why this
-module stays interpreted while the argument checks are compiled.
+makes of user buffers. Python itself has no call for it: the compiled
+`mate._buffer` takes it with one buffer export (a receipt needs it for every
+awaited message), and ctypes does it where that module is not built or not
+wanted (`mate.native`), which is why this module stays interpreted.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ _char_at = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
 
 
-def address_of(view: memoryview) -> int:
+def _address_of(view: memoryview) -> int:
     """The virtual address of the first byte of `view` (read-only views included)."""
     if not view.readonly and view.nbytes:
         return _addressof(_char_at(view))  # the fast way, 4x cheaper
@@ -51,3 +53,9 @@ def address_of(view: memoryview) -> int:
         return info.buf or 0
     finally:
         _release_buffer(ctypes.byref(info))
+
+
+try:
+    from mate._buffer import address_of as address_of
+except ImportError:  # not built, or refused by mate.native (pure Python asked for, or stale)
+    address_of = _address_of

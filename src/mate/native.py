@@ -8,7 +8,10 @@ progress engine and reporter -- is compiled to C with mypyc when mate is
 installed (setup.py; ``MATE_COMPILE=0`` installs pure Python, as does a build
 with no C compiler). The code is the
 same: each compiled module is its own source, type-checked by mypy --strict,
-and runs as Python wherever it is not compiled. `mate.world`, the API in front
+and runs as Python wherever it is not compiled. One module, `mate._buffer`, is
+written in C, for the one thing Python has no call for (a buffer's address,
+`mate.buffers`); where it is not built or not wanted, `mate.buffers` uses
+ctypes instead. `mate.world`, the API in front
 of the ledger, stays Python: compiled, its public calls would refuse arguments
 of the wrong type with a TypeError at the call boundary, before
 `mate.arguments` can answer InvalidArgument, and its reads of a `Transport`'s
@@ -21,7 +24,9 @@ its source instead:
 
 * when ``MATE_PURE_PYTHON`` is set (to run or test the pure-Python path), or
 * when a source no longer matches what was compiled (an editable install
-  after an edit), with a warning naming the changed files.
+  after an edit), with a warning naming the changed files;
+
+and the C module is then not imported at all.
 
 It is all or nothing: compiled modules call each other directly, so a mix of
 compiled and source versions of one group would hold two copies of a class.
@@ -62,6 +67,9 @@ COMPILED = (
     "mate.transports.mpi.reports",
     "mate.transports.mpi.transport",
 )
+#: Modules written in C (setup.py builds them beside the others); each is imported
+#: with a Python fallback.
+EXTENSIONS = ("mate._buffer",)
 RECORD = "_native.json"  # beside this file: {module: sha256 of the source compiled}
 PURE_VARIABLE = "MATE_PURE_PYTHON"
 
@@ -69,8 +77,9 @@ _PACKAGE = Path(__file__).resolve().parent
 
 
 def source_of(module: str, package: Path = _PACKAGE) -> Path:
-    """The source file of `module` (a name in `COMPILED`) under the package `mate`."""
-    return package.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    """The source file of `module` (in `COMPILED` or `EXTENSIONS`) under the package `mate`."""
+    suffix = ".c" if module in EXTENSIONS else ".py"
+    return package.joinpath(*module.split(".")[1:]).with_suffix(suffix)
 
 
 def digest(path: Path) -> str:
@@ -79,7 +88,7 @@ def digest(path: Path) -> str:
 
 def record(package: Path) -> dict[str, str]:
     """The hashes the build records for the sources under `package` (setup.py)."""
-    return {module: digest(source_of(module, package)) for module in COMPILED}
+    return {module: digest(source_of(module, package)) for module in (*COMPILED, *EXTENSIONS)}
 
 
 def changed(recorded: Mapping[str, str], package: Path = _PACKAGE) -> list[str]:
@@ -101,10 +110,13 @@ def _recorded(package: Path = _PACKAGE) -> dict[str, str]:
 
 
 class _SourceFinder(importlib.abc.MetaPathFinder):
-    """Finds the compiled modules' sources ahead of their extension modules."""
+    """Finds the compiled modules' sources ahead of their extension modules, and
+    keeps the C modules out (their importers fall back to Python)."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname in EXTENSIONS:
+            raise ModuleNotFoundError(f"{fullname}: mate runs pure Python", name=fullname)
         if fullname not in COMPILED:
             return None
         source = source_of(fullname)
@@ -121,7 +133,7 @@ def _install() -> None:
                   f"compiled module from its source (reinstall to compile again)")
     else:
         return
-    if any(module in sys.modules for module in COMPILED):
+    if any(module in sys.modules for module in (*COMPILED, *EXTENSIONS)):
         return  # too late to switch (mate was imported before this ran)
     sys.meta_path.insert(0, _SourceFinder())
     if reason is not None:
@@ -132,6 +144,14 @@ _install()
 
 
 def compiled() -> list[str]:
-    """The modules of `COMPILED` that run compiled in this process (importing them)."""
-    return [name for name in COMPILED
-            if not str(importlib.import_module(name).__file__).endswith(".py")]
+    """The modules of `COMPILED` and `EXTENSIONS` that run compiled in this process
+    (importing them)."""
+    running = [name for name in COMPILED
+               if not str(importlib.import_module(name).__file__).endswith(".py")]
+    for name in EXTENSIONS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+        running.append(name)
+    return running

@@ -293,6 +293,9 @@ async def test_send_recv_receipts_and_wildcards(group):
         assert await r == rr and await s == rs
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
             rr.length = 0  # receipts are immutable
+        # every field set, as Receipt's own __init__ would (mate.message builds them)
+        assert attrs.evolve(rr) == rr and attrs.evolve(rs) == rs
+        assert repr(attrs.evolve(rr)) == repr(rr) and hash(attrs.evolve(rr)) == hash(rr)
 
         # wildcards are filled in at completion
         await barrier(world)

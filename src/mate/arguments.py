@@ -3,11 +3,12 @@
 The API's checks raise `InvalidArgument` (SPEC §2: from the call itself, never
 as an event) with a message that says what was expected: numbers of seconds,
 counts, choices, ranks, tags, target addresses, buffers, schedules and
-timeouts. A buffer is any C-contiguous object with the buffer protocol whose
-items are not Python object references; the library works on a flat
-unsigned-byte `memoryview` of it, which also keeps the object alive until the
-message's terminal outcome (SPEC §2, Buffers). The command-line tools'
-argparse types (`positive_int`, `non_negative`) are here too.
+timeouts, and the four arguments of a message together (`operation`). A
+buffer is any C-contiguous object with the buffer protocol whose items are
+not Python object references; the library works on a flat unsigned-byte
+`memoryview` of it, which also keeps the object alive until the message's
+terminal outcome (SPEC §2, Buffers). The command-line tools' argparse types
+(`positive_int`, `non_negative`) are here too.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from typing import Any
 
 from mate.constants import ANY_SOURCE, ANY_TAG, UNSET
 from mate.errors import InvalidArgument
-from mate.schedule import NO_SCHEDULE, Schedule
+from mate.schedule import NO_SCHEDULE, Op, Schedule
 
 ADDRESS_LIMIT = 2**64  # one past the last byte a region can hold
+# Module constants: a read through the enum class is slow on Python 3.11 (mate.message).
+_SEND, _RECV, _PUT = Op.SEND, Op.RECV, Op.PUT
 
 
 def seconds(value: Any, what: str) -> float:
@@ -152,6 +155,8 @@ def buffer(obj: Any, *, writable: bool, what: str) -> memoryview:
             f"{what} is read-only; this call writes into it, so pass a writable "
             "buffer (bytearray, writable memoryview, NumPy array)"
         )
+    if type(obj) is bytearray or type(obj) is bytes:
+        return view  # flat bytes already: the layout checks below cost more than the view
     if view.format == "B" and view.ndim == 1 and view.c_contiguous:
         return view
     if "O" in _NAMES.sub("", view.format):
@@ -166,6 +171,25 @@ def buffer(obj: Any, *, writable: bool, what: str) -> memoryview:
     if not view.c_contiguous:
         raise InvalidArgument(f"{what} must be C-contiguous; copy it first (e.g. bytes(...))")
     return view.cast("B")
+
+
+def operation(op: Op, obj: Any, peer: Any, key: Any, numprocs: int,
+              tag_max: int) -> tuple[memoryview, int, int, int]:
+    """The checked buffer, peer, tag and target address of a send, recv, put or get;
+    `key` is the tag of a send or receive and the target address of a put or get."""
+    if op is _SEND:
+        return (buffer(obj, writable=False, what="send buffer"),
+                rank(peer, "dest", numprocs, wildcard=False),
+                tag(key, tag_max, wildcard=False), 0)
+    if op is _RECV:
+        return (buffer(obj, writable=True, what="recv buffer"),
+                rank(peer, "source", numprocs, wildcard=True),
+                tag(key, tag_max, wildcard=True), 0)
+    if op is _PUT:
+        view = buffer(obj, writable=False, what="put buffer")
+        return view, rank(peer, "dest", numprocs, wildcard=False), 0, address(key, len(view))
+    view = buffer(obj, writable=True, what="get buffer")
+    return view, rank(peer, "source", numprocs, wildcard=False), 0, address(key, len(view))
 
 
 # -- argparse types for the command-line tools (mate-bench, mate.sim): text in ---------------

@@ -1,8 +1,8 @@
 """The ledger: this process's messages, and the sink its transport reports to.
 
-`mate.world` checks the user's arguments and hands each message over in one
-call, `Ledger.submit`, which checks its schedule and timeout; everything after
-that happens here, on every message, so this module is compiled
+`mate.world` hands each message over in one call, `Ledger.submit`, which
+checks the user's arguments (`mate.arguments`); everything after that happens
+here, on every message, so this module is compiled
 (`mate.native`). The ledger keeps the outstanding messages, arms their
 deadlines, posts them to the transport, and turns what the transport reports
 into state changes (`Message.apply`, under the ledger's lock when other
@@ -73,13 +73,17 @@ class Ledger:
         self._endings = {State.TIMED_OUT: 0, State.FAILED: 0, State.CANCELLED: 0}
         self.transport: Transport | None = None  # the world's, set by attach
         self.mypid = 0
+        self._numprocs = 0
+        self._tag_max = 0
         self.closed = False
 
-    def attach(self, transport: Transport, mypid: int) -> None:
-        # The world reads `mypid` off the transport: a compiled read of an attribute that
+    def attach(self, transport: Transport, mypid: int, numprocs: int, tag_max: int) -> None:
+        # The world reads these off the transport: a compiled read of an attribute that
         # `Transport` declares would miss a Python subclass's class attribute.
         self.transport = transport
         self.mypid = mypid
+        self._numprocs = numprocs
+        self._tag_max = tag_max
 
     # -- the world's calls -----------------------------------------------------------------
 
@@ -90,17 +94,20 @@ class Ledger:
             raise InvalidArgument("this world has been shut down")
         return transport
 
-    def submit(self, op: Op, view: memoryview, peer: int, tag: int, address: int,
-               schedule: Any, timeout: Any, default_timeout: float) -> Message:
-        """Make and post a message whose other arguments the world has checked.
+    def submit(self, op: Op, obj: Any, peer: Any, key: Any, schedule: Any, timeout: Any,
+               default_timeout: float) -> Message:
+        """Check the arguments of a send, recv, put or get (`key` is its tag or target
+        address), then make and post the message.
 
         The world's send, recv, put and get end here in one call: they run
-        interpreted, and every frame they make costs each message."""
+        interpreted, and every call they make costs each message."""
+        view, rank, tag, address = arguments.operation(op, obj, peer, key, self._numprocs,
+                                                       self._tag_max)
         self.open_transport()
         checked = arguments.schedule(schedule)
         seconds = arguments.timeout(timeout, checked, default_timeout)
         deadline = None if seconds is None else time.monotonic() + seconds
-        return self.post(Message(self, op, view, peer, tag, address, checked, deadline))
+        return self.post(Message(self, op, view, rank, tag, address, checked, deadline))
 
     def post(self, msg: Message) -> Message:
         """Record `msg`, hand it to the transport (the world checked that there is one,

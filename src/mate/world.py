@@ -1,9 +1,8 @@
 """The world: the MATE API of one process.
 
-`World` checks every argument with `mate.arguments`, raising
-`InvalidArgument` from the call itself, and hands the message to its ledger
-(`mate.ledger`) in one call, `Ledger.submit`, which checks the schedule and
-the timeout, makes the `Message` and posts it. The ledger posts it to the
+`World` hands each message to its ledger (`mate.ledger`) in one call,
+`Ledger.submit`, which checks every argument with `mate.arguments`, raising
+`InvalidArgument` from the call itself, makes the `Message` and posts it. The ledger posts it to the
 transport, is the sink the transport reports to, and turns the reports into
 events, handlers and woken awaiters. This module stays interpreted: a
 compiled call would reject a numpy integer with a TypeError before
@@ -51,9 +50,9 @@ class World:
                 f"{type(transport).__name__} runs handlers on the loop only"
             )
         self.mypid = transport.mypid
-        self._ledger.attach(transport, self.mypid)
         self.numprocs = transport.numprocs
         self.tag_max = transport.tag_max
+        self._ledger.attach(transport, self.mypid, self.numprocs, self.tag_max)
 
     @property
     def sink(self) -> Sink:
@@ -82,37 +81,25 @@ class World:
 
         A send that times out may still have reached its destination.
         """
-        view = arguments.buffer(buffer, writable=False, what="send buffer")
-        dest = arguments.rank(dest, "dest", self.numprocs, wildcard=False)
-        tag = arguments.tag(tag, self.tag_max, wildcard=False)
-        return self._ledger.submit(_SEND, view, dest, tag, 0, schedule, timeout,
+        return self._ledger.submit(_SEND, buffer, dest, tag, schedule, timeout,
                                    self.default_timeout)
 
     def recv(self, buffer: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG, *,
              schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
         """Receive into `buffer` a message from `source` with `tag` (wildcards allowed)."""
-        view = arguments.buffer(buffer, writable=True, what="recv buffer")
-        source = arguments.rank(source, "source", self.numprocs, wildcard=True)
-        tag = arguments.tag(tag, self.tag_max, wildcard=True)
-        return self._ledger.submit(_RECV, view, source, tag, 0, schedule, timeout,
+        return self._ledger.submit(_RECV, buffer, source, tag, schedule, timeout,
                                    self.default_timeout)
 
     def put(self, buffer: Any, dest: int, address: int, *,
             schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
         """Write `buffer` into `dest`'s exposed memory at `address`."""
-        view = arguments.buffer(buffer, writable=False, what="put buffer")
-        dest = arguments.rank(dest, "dest", self.numprocs, wildcard=False)
-        address = arguments.address(address, len(view))
-        return self._ledger.submit(_PUT, view, dest, 0, address, schedule, timeout,
+        return self._ledger.submit(_PUT, buffer, dest, address, schedule, timeout,
                                    self.default_timeout)
 
     def get(self, buffer: Any, source: int, address: int, *,
             schedule: Schedule | None = None, timeout: Timeout = UNSET) -> Message:
         """Read `source`'s exposed memory at `address` into `buffer`."""
-        view = arguments.buffer(buffer, writable=True, what="get buffer")
-        source = arguments.rank(source, "source", self.numprocs, wildcard=False)
-        address = arguments.address(address, len(view))
-        return self._ledger.submit(_GET, view, source, 0, address, schedule, timeout,
+        return self._ledger.submit(_GET, buffer, source, address, schedule, timeout,
                                    self.default_timeout)
 
     def expose(self, buffer: Any) -> Region:

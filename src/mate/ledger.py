@@ -258,7 +258,7 @@ class Ledger:
     def waiter(self, msg: Message, *, submission: bool) -> asyncio.Future[None] | None:
         """A future for a task that awaits `msg` (its submission if `submission`);
         None if that has happened already. The awaiter cancels the message if the
-        future is cancelled (`mate.message.wait`)."""
+        future is cancelled (`Message.__await__`)."""
         future = self._loop.create_future()
         if self._threaded:
             with self._lock:

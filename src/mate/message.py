@@ -176,7 +176,16 @@ class Message(Operation):
         if not self.done():
             future = self._ledger.waiter(self, submission=False)
             if future is not None:
-                yield from wait(self, future)
+                # Inline, not a helper generator shared with `_Submitted` (one generator
+                # fewer per await): a task cancelled while it waits (its future
+                # cancelled) cancels the message. Not a done callback on the future,
+                # which would cost a loop callback on every wake-up.
+                try:
+                    yield from future
+                except asyncio.CancelledError:
+                    if future.cancelled():
+                        self.cancel()
+                    raise
         return self.outcome()
 
     def outcome(self) -> Receipt:
@@ -251,18 +260,6 @@ class Message(Operation):
                 f"len={len(self.buffer)} {self._state.name}>")
 
 
-def wait(msg: Message, future: asyncio.Future[None]) -> Generator[Any, None, None]:
-    """Await `future`, an awaiter of `msg`: a task cancelled while it waits (its
-    future cancelled) cancels the message. Done here rather than by a done callback
-    on the future, which would cost a loop callback on every wake-up."""
-    try:
-        yield from future.__await__()
-    except asyncio.CancelledError:
-        if future.cancelled():
-            msg.cancel()
-        raise
-
-
 class _Submitted:
     """`await msg.submitted`: returns the submission receipt once the buffer is free."""
 
@@ -276,7 +273,12 @@ class _Submitted:
         if not msg.submitted_seen and not msg.done():
             future = msg._ledger.waiter(msg, submission=True)
             if future is not None:
-                yield from wait(msg, future)
+                try:  # as in Message.__await__
+                    yield from future
+                except asyncio.CancelledError:
+                    if future.cancelled():
+                        msg.cancel()
+                    raise
         if msg.submitted_seen:
             return msg.receipt_for(_SUBMISSION)
         return msg.outcome()  # ended without submission: raises its outcome

@@ -4,12 +4,15 @@ path on request, and never a compiled module older than its source."""
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -112,3 +115,62 @@ def test_buffer_address_of_both_ways(kind: type, offset: int) -> None:
     expected = _expected_address(obj, offset)
     assert buffers._address_of(view) == expected
     assert buffers.address_of(view) == expected
+
+
+def _compiled_buffer() -> ModuleType | None:
+    try:
+        return importlib.import_module("mate._buffer")
+    except ImportError:  # a pure-Python install, or MATE_PURE_PYTHON
+        return None
+
+
+_BUFFER = _compiled_buffer()
+MEMMOVES = [buffers._memmove, *([_BUFFER.memmove] if _BUFFER else [])]
+STRING_ATS = [ctypes.string_at, *([_BUFFER.string_at] if _BUFFER else [])]
+
+
+@pytest.mark.parametrize("memmove", MEMMOVES)
+@pytest.mark.parametrize("size", [0, 1, 10, 64 * 1024 + 3])  # the last copies without the GIL
+def test_memmove_copies_between_addresses(memmove: Any, size: int) -> None:
+    src = bytearray(os.urandom(size + 8))
+    dst = bytearray(size + 8)
+    base = buffers.address_of(memoryview(dst))
+    memmove(base + 4, buffers.address_of(memoryview(src)) + 2, size)
+    assert dst == bytes(4) + src[2:2 + size] + bytes(4)  # nothing written around the run
+
+
+@pytest.mark.parametrize("memmove", MEMMOVES)
+def test_memmove_allows_overlapping_runs(memmove: Any) -> None:
+    data = bytearray(b"0123456789")
+    base = buffers.address_of(memoryview(data))
+    memmove(base + 2, base, 6)
+    assert data == b"0101234589"
+    memmove(base, base + 3, 7)
+    assert data == b"1234589589"
+
+
+@pytest.mark.parametrize("string_at", STRING_ATS)
+def test_string_at_reads_the_bytes_at_an_address(string_at: Any) -> None:
+    data = bytes(range(256)) * 300
+    base = buffers.address_of(memoryview(data))
+    assert string_at(base + 5, 1000) == data[5:1005]
+    assert string_at(base, 0) == b""
+    assert isinstance(string_at(base, 3), bytes)
+
+
+@pytest.mark.skipif(_BUFFER is None, reason="mate._buffer is not built or not wanted")
+def test_buffer_copies_refuse_bad_arguments() -> None:
+    assert _BUFFER is not None
+    data = bytearray(8)
+    base = buffers.address_of(memoryview(data))
+    with pytest.raises(ValueError, match="negative"):
+        _BUFFER.memmove(base, base, -1)
+    with pytest.raises(ValueError, match="negative"):
+        _BUFFER.string_at(base, -2)
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        _BUFFER.memmove(base, base)
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        _BUFFER.string_at(base)
+    with pytest.raises(TypeError):
+        _BUFFER.string_at("not an address", 1)
+    assert data == bytes(8)

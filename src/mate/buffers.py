@@ -1,10 +1,16 @@
-"""Where a buffer lives: the address of a byte view's first byte.
+"""Memory by address: where a buffer lives, and copies between addresses.
 
-The views are the flat byte `memoryview`s that `mate.arguments.buffer`
-makes of user buffers. Python itself has no call for it: the compiled
-`mate._buffer` takes it with one buffer export (a receipt needs it for every
-awaited message), and ctypes does it where that module is not built or not
-wanted (`mate.native`), which is why this module stays interpreted.
+`address_of` gives the address of a byte view's first byte. The views are
+the flat byte `memoryview`s that `mate.arguments.buffer` makes of user
+buffers. Python itself has no call for it: the compiled `mate._buffer` takes
+it with one buffer export (a receipt needs it for every awaited message).
+
+`memmove` and `string_at` are ctypes' functions of those names; the soft
+verbs device copies every payload with them, so `mate._buffer` has cheaper
+ones.
+
+ctypes does all three where `mate._buffer` is not built or not wanted
+(`mate.native`), which is why this module stays interpreted.
 """
 
 from __future__ import annotations
@@ -55,7 +61,15 @@ def _address_of(view: memoryview) -> int:
         _release_buffer(ctypes.byref(info))
 
 
+def _memmove(dst: int, src: int, count: int) -> None:
+    ctypes.memmove(dst, src, count)
+
+
 try:
     from mate._buffer import address_of as address_of
+    from mate._buffer import memmove as memmove
+    from mate._buffer import string_at as string_at
 except ImportError:  # not built, or refused by mate.native (pure Python asked for, or stale)
     address_of = _address_of
+    memmove = _memmove
+    string_at = ctypes.string_at

@@ -133,6 +133,7 @@ import time
 from collections.abc import Iterator
 from typing import Final, Protocol
 
+from mate import buffers
 from mate.transports.ibverbs import soft_link
 from mate.transports.ibverbs.soft_link import Hello, close_quietly
 from mate.transports.ibverbs.soft_sys import PeerMemory, Timer, host_identity
@@ -207,8 +208,8 @@ _REMOTE_READ: Final = int(Access.REMOTE_READ)
 _ALL_ACCESS: Final = _LOCAL_WRITE | _REMOTE_WRITE | _REMOTE_READ
 _RECV: Final = WcOpcode.RECV
 _new_tuple = tuple.__new__  # WorkCompletion without its Python-level __new__
-_memmove = ctypes.memmove
-_string_at = ctypes.string_at
+_memmove = buffers.memmove
+_string_at = buffers.string_at
 _monotonic = time.monotonic
 
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import threading
 from collections.abc import Coroutine
 from typing import Any
+
+from librt.threading import Lock
 
 from mate.entry import EntryQueue
 from mate.schedule import Handler, Receipt
@@ -42,7 +43,7 @@ class Dispatcher:
         self._loop = loop
         self._entry = entry
         self._run_at_once = mode == "progress"
-        self._serial = threading.Lock()
+        self._serial = Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
 

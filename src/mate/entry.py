@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
+from librt.threading import Lock
+
 logger = logging.getLogger("mate")
 
 _Item = tuple[Callable[..., None], tuple[Any, ...]]
@@ -28,7 +30,7 @@ class EntryQueue:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._loop_thread = _get_ident()  # made on the loop's thread
-        self._lock = threading.Lock()
+        self._lock = Lock()
         self._items: list[_Item] = []
 
     def on_loop_thread(self) -> bool:

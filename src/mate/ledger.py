@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
+
+from librt.threading import Lock
 
 from mate import arguments
 from mate.deadlines import Deadlines, LoopDeadlines, ThreadDeadlines
@@ -65,7 +66,7 @@ class Ledger:
         # the timeout thread run. Otherwise every change is made on the loop's thread
         # (reports from other threads hop there first), and the per-message calls skip
         # the lock: taking it costs more than the change it guards.
-        self._lock = threading.Lock()
+        self._lock = Lock()
         self._threaded = self._at_once
         self._outstanding: set[Message] = set()
         # Counters for stats(): [messages, bytes] completed by op, and other endings.

@@ -133,6 +133,8 @@ import time
 from collections.abc import Iterator
 from typing import Final, Protocol
 
+from librt.threading import Lock
+
 from mate import buffers
 from mate.transports.ibverbs import soft_link
 from mate.transports.ibverbs.soft_link import Hello, close_quietly
@@ -1107,7 +1109,7 @@ class SoftDevice(Device):
         self._rnr_retry = rnr_retry
         self._rnr_timer = rnr_timer
         self._one_sided = one_sided
-        self._lock = threading.Lock()
+        self._lock = Lock()  # mypyc's lock: a with-block is two C calls
         self._closed = False
         self._rng = random.Random(os.urandom(16))
         self.name = f"soft-{self._rng.getrandbits(32):08x}"

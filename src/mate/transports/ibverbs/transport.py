@@ -22,8 +22,9 @@ carries messages a rank sends to itself).
 from __future__ import annotations
 
 import asyncio
-import threading
 from typing import Any
+
+from librt.threading import Lock
 
 from mate import debug
 from mate.schedule import Region
@@ -89,7 +90,7 @@ class IbverbsTransport(Transport):
         self._peer_of_qp = {qp.qp_num: peer for peer, qp in enumerate(qps)}
         self._lost: set[int] = set()
         self._engine = engine
-        self._lock = threading.Lock()
+        self._lock = Lock()
         self._pending: list[Report] = []  # reports found outside a pass, for the next one
         self._closed = False
         self._poll_all = progress == "poll"

@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from librt.threading import Lock
 from mpi4py import MPI
 
 from mate.debug import HotSpotHook
@@ -179,8 +180,10 @@ class Engine:
         self._inbox: list[tuple[Callable[..., None], tuple[Any, ...], Any]] = []
         self._after_pass: list[tuple[Callable[[], None], Any]] = []
         self.passes = 0
-        self.lock = threading.Lock()  # guards the inbox
-        self.wake = threading.Condition(self.lock)  # a progress thread sleeps on it
+        self.lock = Lock()  # guards the inbox (mypyc's lock: two C calls a pass)
+        # A progress thread sleeps on it. Whatever makes work for the thread notifies it
+        # after making it, under this condition's lock: no wake-up is lost.
+        self.wake = threading.Condition()
         self.backoff = Backoff()
         strategies: dict[str, Callable[[Engine, asyncio.AbstractEventLoop], Progress]] = {
             "poll": PollProgress, "thread": ThreadProgress, "manual": ManualProgress}

@@ -37,6 +37,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from typing import Final
 
 logger = logging.getLogger("mate")
 
@@ -45,6 +46,7 @@ MAX_BACKOFF = 0.001  # longest pause between polls while messages are outstandin
 
 #: A pass: returns True if it moved anything.
 Pass = Callable[[], bool]
+_get_ident: Final = threading.get_ident
 
 
 class Progress(abc.ABC):
@@ -83,6 +85,9 @@ class LoopProgress(Progress):
         super().__init__(loop, fd, run_pass, deliver)
         self._kicked = False
         self._stopped = False
+        # Made on the loop's thread (the transport is opened there). Not the loop's own
+        # record of it: asyncio's is private, and uvloop has none.
+        self._loop_thread = _get_ident()
 
     def start(self) -> None:
         self.loop.add_reader(self.fd, self._guarded)
@@ -97,7 +102,7 @@ class LoopProgress(Progress):
             self.loop.call_soon_threadsafe(self._kicked_pass)
 
     def _on_loop_thread(self) -> bool:
-        return getattr(self.loop, "_thread_id", None) == threading.get_ident()
+        return _get_ident() == self._loop_thread
 
     def _kicked_pass(self) -> None:
         self._kicked = False

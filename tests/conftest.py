@@ -28,6 +28,15 @@ LAUNCH_OPTIONS = json.loads(os.environ.get("MATE_TEST_OPTIONS", "{}"))  # e.g. p
 THREADED = LAUNCHED is not None and LAUNCH_OPTIONS.get("progress") in (
     mate.registry.TRANSPORTS[LAUNCHED].threaded_progress)
 LOCAL_SIZES = (2, 3)
+# The event loop every async test runs on: "asyncio", or "uvloop" (a launcher's choice).
+LOOP = os.environ.get("MATE_TEST_LOOP", "asyncio")
+
+if LOOP == "uvloop":
+    def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
+                                      ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+        import uvloop
+
+        return {"uvloop": uvloop.new_event_loop}
 
 
 class Group:

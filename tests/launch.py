@@ -25,32 +25,36 @@ TESTS = Path(__file__).parent
 
 
 def run_under_mpiexec(module: str, nranks: int, options: dict[str, object],
-                      *, timeout: float = 600, extra: tuple[str, ...] = ()) -> None:
+                      *, timeout: float = 600, extra: tuple[str, ...] = (),
+                      loop: str = "asyncio") -> None:
     launcher = [find_mpiexec(), "-n", str(nranks), "-l", sys.executable]
-    _run_launched("mpi", launcher, module, nranks, options, timeout, extra)
+    _run_launched("mpi", launcher, module, nranks, options, timeout, extra, loop)
 
 
 def run_under_mate_run(module: str, nranks: int, options: dict[str, object],
-                       *, timeout: float = 600, extra: tuple[str, ...] = ()) -> None:
+                       *, timeout: float = 600, extra: tuple[str, ...] = (),
+                       loop: str = "asyncio") -> None:
     launcher = [sys.executable, "-m", "mate.run", "-n", str(nranks), "--transport", "ibverbs",
                 "python"]
-    _run_launched("ibverbs", launcher, module, nranks, options, timeout, extra)
+    _run_launched("ibverbs", launcher, module, nranks, options, timeout, extra, loop)
 
 
 def _run_launched(transport: str, launcher: list[str], module: str, nranks: int,
-                  options: dict[str, object], timeout: float, extra: tuple[str, ...]) -> None:
+                  options: dict[str, object], timeout: float, extra: tuple[str, ...],
+                  loop: str) -> None:
     env = dict(os.environ, MATE_TEST_TRANSPORT=transport, MATE_TEST_SIZE=str(nranks),
-               MATE_TEST_OPTIONS=json.dumps(options), PYTHONUNBUFFERED="1")
+               MATE_TEST_OPTIONS=json.dumps(options), MATE_TEST_LOOP=loop,
+               PYTHONUNBUFFERED="1")
     command = [*launcher, "-m", "pytest", str(TESTS / module), "-q", "-p", "no:cacheprovider",
                "-x", *extra]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True,
                               timeout=timeout, cwd=TESTS.parent)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{module} on {nranks} ranks {options} hung for {timeout} s:\n"
+        pytest.fail(f"{module} on {nranks} ranks {options} ({loop}) hung for {timeout} s:\n"
                     f"{exc.stdout}\n{exc.stderr}")
     if done.returncode != 0:
-        pytest.fail(f"{module} on {nranks} ranks {options} failed "
+        pytest.fail(f"{module} on {nranks} ranks {options} ({loop}) failed "
                     f"(exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
     # Ranks' lines can interleave on one line: count the summaries, not the lines.
     summaries = re.findall(r"\b\d+ passed\b", done.stdout)

@@ -19,6 +19,12 @@ def test_conformance_under_mate_run(nranks: int, progress: str) -> None:
 
 
 @pytest.mark.parametrize("progress", PROGRESS)
+def test_conformance_on_uvloop(progress: str) -> None:
+    pytest.importorskip("uvloop")
+    run_under_mate_run("test_conformance.py", 2, {"progress": progress}, loop="uvloop")
+
+
+@pytest.mark.parametrize("progress", PROGRESS)
 def test_conformance_over_tcp(progress: str) -> None:
     run_under_mate_run("test_conformance.py", 2, {"progress": progress, "link": "tcp"})
 

@@ -23,6 +23,12 @@ def test_conformance_under_mpiexec(nranks: int, options: dict[str, object]) -> N
 
 
 @pytest.mark.parametrize("progress", ["poll", "thread"])
+def test_conformance_on_uvloop(progress: str) -> None:
+    pytest.importorskip("uvloop")
+    run_under_mpiexec("test_conformance.py", 2, {"progress": progress}, loop="uvloop")
+
+
+@pytest.mark.parametrize("progress", ["poll", "thread"])
 def test_mpi_specific_under_mpiexec(progress: str) -> None:
     run_under_mpiexec("test_mpi_specific.py", 2, {"progress": progress})
 

@@ -193,6 +193,8 @@ _EAGER_FRAME, _RTS_FRAME, _FIN_FRAME, _CREDIT_FRAME = Kind.EAGER, Kind.RTS, Kind
 _WR_SEND, _WR_READ, _WR_WRITE = Opcode.SEND, Opcode.RDMA_READ, Opcode.RDMA_WRITE
 _SUCCESS, _FLUSH = WcStatus.SUCCESS, WcStatus.WR_FLUSH_ERR
 _LOCAL_WRITE, _REMOTE_READ = Access.LOCAL_WRITE, Access.REMOTE_READ
+# A NamedTuple's own __new__ runs interpreted; a frame's SendWR and SGE skip it.
+_new_tuple = tuple.__new__
 _REASONS = {
     WcStatus.REM_ACCESS_ERR: FailureReason.REMOTE_ACCESS,
     WcStatus.WR_FLUSH_ERR: FailureReason.PEER_UNREACHABLE,
@@ -729,8 +731,9 @@ class Engine:
             self._sview[off + HEADER_SIZE:off + HEADER_SIZE + length] = data
             size += length
         try:
-            self._wire.post_send(p, SendWR(SEND_BASE + slot, _WR_SEND,
-                                           SGE(self._saddr + off, size, self._slkey)))
+            sge = _new_tuple(SGE, (self._saddr + off, size, self._slkey))
+            self._wire.post_send(p, _new_tuple(SendWR, (SEND_BASE + slot, _WR_SEND, sge, True,
+                                                        0, 0)))
         except VerbsError:
             self._free.append(slot)
             raise

@@ -69,6 +69,7 @@ class Header(NamedTuple):
 
 
 pack_into = HEADER.pack_into  # (buffer, offset, *the fields of Header in order)
+_new_tuple = tuple.__new__  # Header without NamedTuple's interpreted _make
 
 
 def decode(frame: bytes | bytearray | memoryview, offset: int = 0,
@@ -81,7 +82,7 @@ def decode(frame: bytes | bytearray | memoryview, offset: int = 0,
         size = len(frame) - offset
     if size < HEADER_SIZE:
         raise ProtocolError(f"a frame of {size} bytes is shorter than the header")
-    header = Header._make(HEADER.unpack_from(frame, offset))
+    header = _new_tuple(Header, HEADER.unpack_from(frame, offset))
     if header.kind not in _KINDS:
         raise ProtocolError(f"unknown frame kind {header.kind}")
     if header.flags & ~_FLAGS:

@@ -64,8 +64,8 @@ class Ledger:
         # Guards message states, waiters and the outstanding set when other threads
         # change them: with handlers in the progress thread, where reports, handlers and
         # the timeout thread run. Otherwise every change is made on the loop's thread
-        # (reports from other threads hop there first), and the per-message calls skip
-        # the lock: taking it costs more than the change it guards.
+        # (reports from other threads hop there first), and the per-message calls take
+        # no lock at all (issue 11: none that a message does not need; test_contract).
         self._lock = Lock()
         self._threaded = self._at_once
         self._outstanding: set[Message] = set()

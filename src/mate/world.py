@@ -1,10 +1,10 @@
 """The world: the MATE API of one process.
 
 `World` hands each message to its ledger (`mate.ledger`) in one call,
-`Ledger.submit`, which checks every argument with `mate.arguments`, raising
-`InvalidArgument` from the call itself, makes the `Message` and posts it. The ledger posts it to the
-transport, is the sink the transport reports to, and turns the reports into
-events, handlers and woken awaiters. This module stays interpreted: a
+`Ledger.submit`, which checks every argument with `mate.arguments` (raising
+`InvalidArgument` from the call itself), makes the `Message` and posts it to
+the transport. The ledger is also the sink the transport reports to, and
+turns the reports into events, handlers and woken awaiters. This module stays interpreted: a
 compiled call would reject a numpy integer with a TypeError before
 `mate.arguments` could accept or refuse it.
 """

@@ -14,9 +14,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import attrs
 import pytest
 
-from mate import buffers, native
+from mate import FailureReason, MessageFailed, buffers, message, native
+from mate.schedule import Event, Op, Receipt
 
 PACKAGE = Path(native.__file__).parent
 BUILT = (PACKAGE / native.RECORD).exists()
@@ -174,3 +176,50 @@ def test_buffer_copies_refuse_bad_arguments() -> None:
     with pytest.raises(TypeError):
         _BUFFER.string_at("not an address", 1)
     assert data == bytes(8)
+
+
+def _compiled_receipt() -> ModuleType | None:
+    try:
+        return importlib.import_module("mate._receipt")
+    except ImportError:  # a pure-Python install, or MATE_PURE_PYTHON
+        return None
+
+
+_RECEIPT = _compiled_receipt()
+FIELDS = [
+    (Op.SEND, 3, 8, 0, 1, 4096, None, Event.COMPLETION, None),
+    (Op.GET, None, 0, 2, 1, 8192, 64, Event.FAILURE, MessageFailed(FailureReason.TRANSPORT, "x")),
+    (Op.RECV, 7, 5, 1, 0, 1, None, None, None),
+]
+
+
+@pytest.mark.parametrize("fields", FIELDS)
+def test_the_receipts_mate_builds_are_attrs_receipts(fields: tuple[Any, ...]) -> None:
+    """`mate.message` builds receipts with `mate._receipt` where it runs: the same
+    value, by every measure attrs gives, as Receipt's own constructor."""
+    expected = Receipt(*fields)
+    built = message._build_receipt(*fields)
+    assert type(built) is Receipt
+    assert built == expected and hash(built) == hash(expected) and repr(built) == repr(expected)
+    assert attrs.astuple(built, recurse=False) == fields
+    assert attrs.evolve(built, length=99) == attrs.evolve(expected, length=99)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        built.length = 1  # type: ignore[misc]
+    del built  # the slots' references go with it
+    assert all(sys.getrefcount(value) > 1 for value in fields)
+
+
+@pytest.mark.skipif(_RECEIPT is None, reason="mate._receipt is not built or not wanted")
+def test_receipt_builder_refuses_bad_arguments() -> None:
+    assert _RECEIPT is not None
+    assert message._build_receipt is _RECEIPT.build
+    with pytest.raises(TypeError, match="takes 9 arguments"):
+        _RECEIPT.build(Op.SEND)
+    # bind() checks everything before it changes anything: receipts still build.
+    with pytest.raises(ValueError, match="not a writable slot"):
+        _RECEIPT.bind(Receipt, ("op", "__repr__"))
+    with pytest.raises(AttributeError):
+        _RECEIPT.bind(Receipt, ("op", "no_such_field"))
+    with pytest.raises(TypeError):
+        _RECEIPT.bind(Receipt, ["op"])
+    assert message._build_receipt(*FIELDS[0]) == Receipt(*FIELDS[0])

@@ -57,12 +57,12 @@ def _receipt_builder() -> Callable[..., Receipt]:
     """Receipt's constructor, or `mate._receipt.build`, which takes the same fields in
     the same order and stores them straight into the slots (a tenth of the cost)."""
     try:
-        from mate import _receipt
+        from mate._receipt import bind, build
     except ImportError:  # pure Python
         return Receipt
-    _receipt.bind(Receipt, tuple(field.name for field in attrs.fields(Receipt)))
-    build: Callable[..., Receipt] = _receipt.build
-    return build
+    bind(Receipt, tuple(field.name for field in attrs.fields(Receipt)))
+    built: Callable[..., Receipt] = build
+    return built
 
 
 _build_receipt: Final = _receipt_builder()

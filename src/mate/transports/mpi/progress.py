@@ -91,7 +91,9 @@ class _Requests:
     def __init__(self) -> None:
         self.requests: list[MPI.Request] = []
         self.entries: list[Entry] = []
-        self.statuses: list[MPI.Status] = []  # scratch for Testsome, one per request
+        # Scratch for Testsome, at least one per request; kept when requests go, so
+        # that a message makes no Status of its own before it completes.
+        self.statuses: list[MPI.Status] = []
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -104,7 +106,8 @@ class _Requests:
         entry.index = len(self.requests)
         self.requests.append(entry.request)
         self.entries.append(entry)
-        self.statuses.append(MPI.Status())
+        if len(self.statuses) < len(self.requests):
+            self.statuses.append(MPI.Status())
 
     def remove(self, entry: Entry) -> None:
         """Take `entry` out by moving the last entry into its place."""
@@ -112,7 +115,7 @@ class _Requests:
         moved = self.entries[last]
         self.requests[i], self.entries[i] = moved.request, moved
         moved.index = i
-        del self.requests[last], self.entries[last], self.statuses[last]
+        del self.requests[last], self.entries[last]
 
     def testsome(self) -> tuple[list[tuple[Entry, MPI.Status]], MPI.Exception | None]:
         """The entries whose requests completed (now removed), with their statuses."""

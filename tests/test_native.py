@@ -119,14 +119,15 @@ def test_buffer_address_of_both_ways(kind: type, offset: int) -> None:
     assert buffers.address_of(view) == expected
 
 
-def _compiled_buffer() -> ModuleType | None:
+def _c_module(name: str) -> ModuleType | None:
+    """The C module `name` (`native.EXTENSIONS`), or None where it does not run."""
     try:
-        return importlib.import_module("mate._buffer")
+        return importlib.import_module(name)
     except ImportError:  # a pure-Python install, or MATE_PURE_PYTHON
         return None
 
 
-_BUFFER = _compiled_buffer()
+_BUFFER = _c_module("mate._buffer")
 MEMMOVES = [buffers._memmove, *([_BUFFER.memmove] if _BUFFER else [])]
 STRING_ATS = [ctypes.string_at, *([_BUFFER.string_at] if _BUFFER else [])]
 
@@ -178,14 +179,7 @@ def test_buffer_copies_refuse_bad_arguments() -> None:
     assert data == bytes(8)
 
 
-def _compiled_receipt() -> ModuleType | None:
-    try:
-        return importlib.import_module("mate._receipt")
-    except ImportError:  # a pure-Python install, or MATE_PURE_PYTHON
-        return None
-
-
-_RECEIPT = _compiled_receipt()
+_RECEIPT = _c_module("mate._receipt")
 FIELDS = [
     (Op.SEND, 3, 8, 0, 1, 4096, None, Event.COMPLETION, None),
     (Op.GET, None, 0, 2, 1, 8192, 64, Event.FAILURE, MessageFailed(FailureReason.TRANSPORT, "x")),

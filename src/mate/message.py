@@ -61,8 +61,7 @@ def _receipt_builder() -> Callable[..., Receipt]:
     except ImportError:  # pure Python
         return Receipt
     bind(Receipt, tuple(field.name for field in attrs.fields(Receipt)))
-    built: Callable[..., Receipt] = build
-    return built
+    return build
 
 
 _build_receipt: Final = _receipt_builder()

@@ -124,7 +124,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Final, NamedTuple, Protocol
 
 from mate.buffers import address_of
 from mate.constants import ANY_SOURCE
@@ -193,8 +193,10 @@ _EAGER_FRAME, _RTS_FRAME, _FIN_FRAME, _CREDIT_FRAME = Kind.EAGER, Kind.RTS, Kind
 _WR_SEND, _WR_READ, _WR_WRITE = Opcode.SEND, Opcode.RDMA_READ, Opcode.RDMA_WRITE
 _SUCCESS, _FLUSH = WcStatus.SUCCESS, WcStatus.WR_FLUSH_ERR
 _LOCAL_WRITE, _REMOTE_READ = Access.LOCAL_WRITE, Access.REMOTE_READ
-# A NamedTuple's own __new__ runs interpreted; a frame's SendWR and SGE skip it.
+# A NamedTuple's own __new__ runs interpreted; a frame's SendWR and SGE skip it, the
+# SendWR taking its defaulted fields (signaled, remote_addr, rkey) from here.
 _new_tuple = tuple.__new__
+_SEND_DEFAULTS: Final = tuple(SendWR._field_defaults.values())
 _REASONS = {
     WcStatus.REM_ACCESS_ERR: FailureReason.REMOTE_ACCESS,
     WcStatus.WR_FLUSH_ERR: FailureReason.PEER_UNREACHABLE,
@@ -732,8 +734,8 @@ class Engine:
             size += length
         try:
             sge = _new_tuple(SGE, (self._saddr + off, size, self._slkey))
-            self._wire.post_send(p, _new_tuple(SendWR, (SEND_BASE + slot, _WR_SEND, sge, True,
-                                                        0, 0)))
+            self._wire.post_send(p, _new_tuple(SendWR, (SEND_BASE + slot, _WR_SEND, sge,
+                                                        *_SEND_DEFAULTS)))
         except VerbsError:
             self._free.append(slot)
             raise

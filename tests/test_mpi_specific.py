@@ -150,6 +150,38 @@ async def test_progress_handlers_answer_while_the_loop_computes(fabric: Fabric) 
         await group.run(program)
 
 
+async def test_the_progress_thread_takes_over_from_a_loop_that_stops_helping(
+        fabric: Fabric) -> None:
+    """Thread mode, handlers on the loop: while a task awaits, the loop runs the passes
+    and the progress thread stands back. When the loop then computes without yielding,
+    the thread must take over: rank 0's synchronous send completes only once rank 1's
+    MPI library has matched it, which happens only in a pass."""
+    if fabric.size < 2:
+        pytest.skip("needs two ranks")
+
+    async def program(world: mate.World) -> None:
+        if world.mypid == 1:
+            inbox = bytearray(8)
+            recv = world.recv(inbox, 0, tag=6)
+            for _ in range(20):  # the loop helps now: it ran the passes of these awaits
+                await world.send(b"ready", 0, tag=8)
+            busy_until = time.monotonic() + 1.0
+            while time.monotonic() < busy_until:  # the loop's thread computes, never yields
+                sum(range(1000))
+            receipt = await recv
+            assert bytes(inbox) == b"matched!" and receipt.length == 8
+        elif world.mypid == 0:
+            for _ in range(20):
+                await world.recv(bytearray(5), 1, tag=8)
+            start = time.monotonic()
+            await world.send(b"matched!", 1, tag=6)
+            assert time.monotonic() - start < 0.5, "rank 1 made no progress while computing"
+        await barrier(world)
+
+    async with fabric.open(progress="thread", handlers="loop") as group:
+        await group.run(program)
+
+
 async def test_shutdown_does_not_wait_for_a_peer_that_went_away(fabric: Fabric) -> None:
     # Rank 1 leaves at once and gives up meeting the others after 0.3 s; the others
     # shut down much later, with messages to and from rank 1 still outstanding.

@@ -16,7 +16,12 @@ sharing one `Backoff`:
   through native RMA is *hot* and never backs off (see `Engine.hot`).
 * `ThreadProgress` (``thread``): a progress thread (MPI_THREAD_MULTIPLE) runs
   the passes, with the same backoff done by sleeping, and sleeps on a
-  condition when nothing at all is outstanding. Actions run in that thread.
+  condition when nothing at all is outstanding. With handlers on the loop, a
+  task awaiting a message also has the loop run passes, as poll mode does,
+  until `SPIN` passes without progress, and the thread stands back meanwhile:
+  a completion found on the loop's thread needs no hop onto it (most of
+  thread mode's latency), while the thread still moves messages whenever the
+  loop computes or has given up. Actions run in whichever thread ran the pass.
 * `ManualProgress` (``manual``): passes run only from `world.progress()` and
   while a task awaits a message (`drive_until`), and, so that timeouts (the
   core's clock, not progress) take effect at once, while a cancel is carried
@@ -69,6 +74,7 @@ LONG_IDLE = 0.05  # ... until this long without progress,
 LONG_IDLE_BACKOFF = 0.004  # ... when waiting gets cheaper still (a message waited on for long)
 IDLE_INTERVAL = 0.005  # pause between passes when only standing receives are outstanding
 ORPHAN_INTERVAL = 0.05  # how often orphaned sends are tested (so MPI can free them)
+STAND_BACK = 2 * SLICE  # a progress thread leaves passes to a loop that ran one this recently
 
 
 class Entry:
@@ -170,8 +176,11 @@ class Engine:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, mode: str,
                  on_error: ErrorHandler, on_pass_end: Callable[[], None],
-                 hot_spot: HotSpotHook | None = None) -> None:
+                 hot_spot: HotSpotHook | None = None, *, loop_helps: bool = True) -> None:
         self.mode = mode
+        # Thread mode: whether an awaiting loop may run passes too (not when handlers
+        # must run in the progress thread: a pass runs actions, and so handlers).
+        self.loop_helps = loop_helps
         self._hot_spot = hot_spot  # mate.debug: called between a test and its actions
         self._on_error = on_error
         self._on_pass_end = on_pass_end  # the transport hands the pass's reports over
@@ -493,13 +502,27 @@ class ManualProgress(PollProgress):
 
 
 class ThreadProgress(Progress):
-    """Passes in a progress thread of their own (see the docstring)."""
+    """Passes in a progress thread of their own, helped by an awaiting loop (see the
+    docstring).
+
+    The pass lock keeps the two threads' passes apart (MPI forbids two threads to
+    test one request at once). While the loop helps (`_helped`, the time of its last
+    pass, is recent), the thread waits on its condition instead of polling: two
+    threads polling in Python fight over the GIL, which costs both. The loop stops
+    helping when nothing moved for `SPIN` or no user message is left, and then
+    wakes the thread; if a long callback keeps the loop away instead, the thread
+    takes over once `STAND_BACK` has passed.
+    """
 
     threaded = True
 
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(engine, loop)
         self._stopping = False
+        self._pass_lock = threading.Lock()
+        self._help: asyncio.Handle | None = None  # the loop's next pass, if it helps
+        self._helped = -math.inf  # when the loop last ran a pass (monotonic), while it helps
+        self._loop_thread = threading.get_ident()  # made on the loop's thread
         self._worker = threading.Thread(target=self._run, name="mate-mpi-progress",
                                         daemon=True)
         self._worker.start()
@@ -508,19 +531,67 @@ class ThreadProgress(Progress):
         pass  # the thread runs from the start
 
     def kick(self) -> None:
+        if self._help is not None and threading.get_ident() == self._loop_thread:
+            return  # the loop's next pass, already queued, takes the new work
+        self._wake_thread()
+
+    def _wake_thread(self) -> None:
         with self.engine.wake:
             self.engine.wake.notify()
+
+    # -- the loop's passes (on the loop's thread) ----------------------------------------
+
+    def drive_until(self, done: Callable[[], bool]) -> None:
+        if self.engine.loop_helps and self._help is None and not self._stopping:
+            self._helped = time.monotonic()
+            self._help = self.loop.call_soon(self._help_pass)
+
+    def _help_pass(self) -> None:
+        self._help = None
+        if self._stopping:
+            return
+        engine = self.engine
+        self._helped = time.monotonic()
+        # As PollProgress._poll: test again for up to SLICE before going round the loop.
+        if not self._loop_test() and engine.user_outstanding and engine.backoff.spinning():
+            give_up = time.monotonic() + SLICE
+            while not self._loop_test() and time.monotonic() < give_up:
+                pass
+        if engine.user_outstanding and engine.backoff.spinning():
+            self._help = self.loop.call_soon(self._help_pass)
+        else:
+            self._helped = -math.inf
+            self._wake_thread()  # the thread carries on from here, backing off
+
+    def _loop_test(self) -> bool:
+        if not self._pass_lock.acquire(blocking=False):
+            return False  # the thread is in a pass
+        try:
+            return self.engine.test()
+        finally:
+            self._pass_lock.release()
+
+    # -- the thread's passes -------------------------------------------------------------
+
+    def _loop_helping(self) -> bool:
+        return time.monotonic() - self._helped < STAND_BACK
 
     def _run(self) -> None:
         engine = self.engine
         while True:
             with engine.wake:
-                while not engine.busy() and engine.idle_interval() is None and not self._stopping:
-                    engine.wake.wait()
+                while not self._stopping:
+                    if self._loop_helping():
+                        engine.wake.wait(STAND_BACK)
+                    elif engine.busy() or engine.idle_interval() is not None:
+                        break
+                    else:
+                        engine.wake.wait()
                 if self._stopping:
                     return
             try:
-                engine.test()
+                with self._pass_lock:
+                    engine.test()
             except Exception as exc:  # a fault in the pass itself: log it, keep progressing
                 logger.exception("mate: MPI progress pass failed", exc_info=exc)
             if engine.has_calls():
@@ -537,4 +608,7 @@ class ThreadProgress(Progress):
         with self.engine.wake:
             self._stopping = True
             self.engine.wake.notify()
+        if self._help is not None:
+            self._help.cancel()
+            self._help = None
         self._worker.join()

@@ -98,7 +98,7 @@ class MpiTransport(Transport):
         self.tag_max = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
         self.report = Reporter(lambda: self._sink)  # the sink of the moment (see bind)
         self.engine = Engine(loop, progress, self._contain, self.report.hand_over,
-                             self._hot_spot)
+                             self._hot_spot, loop_helps=handlers == "loop")
         self.control = ControlChannel(self.engine, self.tag_max, self._on_control)
         self.rma: Rma
         if rma == "auto":

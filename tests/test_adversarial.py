@@ -234,7 +234,7 @@ async def test_an_exception_in_the_progress_context_fails_one_message(fabric: Fa
     message that the test expects to fail."""
     from mpi4py import MPI
 
-    def faulty(status: object, error: object) -> None:
+    def faulty(owner: object, status: object, error: object) -> None:
         raise RuntimeError("injected into an action")
 
     async def program(world: mate.World) -> None:

@@ -227,7 +227,7 @@ class ControlChannel:
 
     def send(self, dest: int, message: Control, tag: int = CONTROL_TAG) -> None:
         """Send a control message (a request, or an answer on its private tag)."""
-        self.send_data(dest, message.encode(), tag, lambda status, error: None)
+        self.send_data(dest, message.encode(), tag, lambda _owner, status, error: None)
 
     def send_data(self, dest: int, data: Any, tag: int, action: Action, *,
                   owner: Any = None) -> Entry:
@@ -243,7 +243,7 @@ class ControlChannel:
         self._engine.add(request, action, owner=owner, standing=standing, receive=True)
         return request
 
-    def _arrived(self, status: MPI.Status, error: MPI.Exception | None) -> None:
+    def _arrived(self, _owner: None, status: MPI.Status, error: MPI.Exception | None) -> None:
         if status.Is_cancelled():
             return  # shutting down
         data = memoryview(bytes(self._inbox[: status.Get_count(MPI.BYTE)]))

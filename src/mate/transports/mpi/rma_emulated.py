@@ -68,7 +68,7 @@ class EmulatedRma(Rma):
             self.gets[tag] = op
             state.request = self.control.recv(
                 state.data, op.peer, tag,
-                lambda status, error: self.got(op, tag, status, error), owner=op,
+                lambda _op, status, error: self.got(op, tag, status, error), owner=op,
                 standing=False)
             self.control.send(op.peer, Get(tag, op.address, n))
         elif eager:
@@ -77,9 +77,10 @@ class EmulatedRma(Rma):
             self.submitted(op)
         else:
             reply = bytearray(Reply.SIZE)
-            self.control.recv(reply, op.peer, tag,
-                              lambda status, error: self.cleared(op, tag, reply, status, error),
-                              owner=op, standing=False)
+            self.control.recv(
+                reply, op.peer, tag,
+                lambda _op, status, error: self.cleared(op, tag, reply, status, error),
+                owner=op, standing=False)
             self.control.send(op.peer, PutRequest(tag, op.address, n))
             if state.copied:
                 self.submitted(op)
@@ -114,14 +115,14 @@ class EmulatedRma(Rma):
             self.refuse(op)
             return
         self.control.send_data(op.peer, op.transport_data.data, reply.data_tag,
-                               lambda status, error: self.submitted(op), owner=op)
+                               lambda _op, status, error: self.submitted(op), owner=op)
         self.await_reply(op, tag)
 
     def await_reply(self, op: Operation, tag: int) -> None:
         """The target's last word on a put: landed (completion), or refused."""
         buffer = bytearray(Reply.SIZE)
 
-        def answered(status: MPI.Status, error: MPI.Exception | None) -> None:
+        def answered(_op: Operation, status: MPI.Status, error: MPI.Exception | None) -> None:
             if error is not None:
                 self.failed(op, FailureReason.TRANSPORT, f"emulated put: {error}", error)
             elif not Reply.decode_body(buffer).ok:
@@ -184,7 +185,7 @@ class EmulatedRma(Rma):
             region, view = found
             key = (source, message.reply_tag)
             self.hold(key, region, self.control.send_data(
-                source, view, message.reply_tag, lambda status, error: self.served(key)))
+                source, view, message.reply_tag, lambda _owner, status, error: self.served(key)))
         elif isinstance(message, Put):
             found = self.regions.find(message.address, len(message.data))
             if found is not None:
@@ -199,7 +200,7 @@ class EmulatedRma(Rma):
             data_tag = self.control.new_tag()
             key = (source, message.reply_tag)
 
-            def landed(status: MPI.Status, error: MPI.Exception | None) -> None:
+            def landed(_owner: None, status: MPI.Status, error: MPI.Exception | None) -> None:
                 self.served(key)
                 if not status.Is_cancelled():
                     self.control.send(source, Reply(error is None), message.reply_tag)

@@ -92,7 +92,8 @@ class NativeRma(Rma):
         if op.op is Op.PUT and state.copied:
             self.submitted(op)  # MPI reads the copy
         self.issued += 1
-        self.engine.add(request, lambda status, error: self.local_done(op, error), owner=op)
+        self.engine.add(request, lambda _op, status, error: self.local_done(op, error),
+                        owner=op)
 
     def local_done(self, op: Operation, error: MPI.Exception | None) -> None:
         self.issued -= 1
@@ -124,7 +125,7 @@ class NativeRma(Rma):
         tag = self.control.new_tag()
         buffer = bytearray(Table.MAX_SIZE)
         self.control.recv(buffer, peer, tag,
-                          lambda status, error: self.on_table(peer, buffer, status, error),
+                          lambda _owner, status, error: self.on_table(peer, buffer, status, error),
                           standing=False)
         self.control.send(peer, TableRequest(tag))
 

@@ -49,7 +49,7 @@ from mate.errors import FailureReason
 from mate.schedule import Op, Region
 from mate.transports.base import Operation, Sink, Transport
 from mate.transports.mpi.control import Control, ControlChannel
-from mate.transports.mpi.progress import Engine
+from mate.transports.mpi.progress import Action, Engine
 from mate.transports.mpi.reports import Reporter
 from mate.transports.mpi.rma import Rma
 from mate.transports.mpi.rma_auto import AutoRma
@@ -97,6 +97,9 @@ class MpiTransport(Transport):
         self.numprocs = self.comm.Get_size()
         self.tag_max = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
         self.report = Reporter(lambda: self._sink)  # the sink of the moment (see bind)
+        # The actions of user messages' requests, bound once (a bound method is an object).
+        self._on_send_done: Action = self._send_done
+        self._on_recv_done: Action = self._recv_done
         self.engine = Engine(loop, progress, self._contain, self.report.hand_over,
                              self._hot_spot, loop_helps=handlers == "loop")
         self.control = ControlChannel(self.engine, self.tag_max, self._on_control)
@@ -149,7 +152,7 @@ class MpiTransport(Transport):
             self.rma.submit(msg)
 
     def _post_send(self, msg: Operation) -> None:
-        if self._orphans[msg.peer] >= self.orphan_limit:
+        if self._orphans.get(msg.peer, 0) >= self.orphan_limit:  # get: no __missing__ call
             self.fail_later(msg, FailureReason.RESOURCES,
                             f"rank {msg.peer} holds {self.orphan_limit} sends that timed out "
                             f"unreceived (orphan_limit); it is not receiving")
@@ -165,8 +168,7 @@ class MpiTransport(Transport):
         state = msg.transport_data = _Send(data, copied)
         if copied:
             self.engine.call(self.report.submitted, msg)
-        state.entry = self.engine.add(
-            request, lambda status, error: self._send_done(msg, status, error), owner=msg)
+        state.entry = self.engine.add(request, self._on_send_done, owner=msg)
 
     def _send_done(self, msg: Operation, status: MPI.Status, error: MPI.Exception | None) -> None:
         state: _Send = msg.transport_data
@@ -190,8 +192,7 @@ class MpiTransport(Transport):
             self.fail_later(msg, FailureReason.TRANSPORT, f"MPI_Irecv: {exc}", exc)
             return
         msg.transport_data = request
-        self.engine.add(request, lambda status, error: self._recv_done(msg, status, error),
-                        owner=msg, receive=True)
+        self.engine.add(request, self._on_recv_done, owner=msg, receive=True)
 
     def _recv_done(self, msg: Operation, status: MPI.Status, error: MPI.Exception | None) -> None:
         msg.transport_data = None  # a cancel that comes now finds nothing left to cancel

@@ -239,6 +239,15 @@ class Engine:
             self._inbox.append((fn, args, owner))
         self._progress.kick()
 
+    def call_in_context(self, fn: Callable[..., None], *args: Any, owner: Any = None) -> None:
+        """`call`; or, where the caller is in the progress context already (poll and
+        manual modes: everything runs on the loop's thread), `fn(*args)` at once."""
+        if self._progress.threaded:
+            self.call(fn, *args, owner=owner)
+        else:
+            fn(*args)
+            self._progress.kick()
+
     def call_at_once(self, fn: Callable[..., None], *args: Any, owner: Any = None) -> None:
         """`call`, and have passes run until it has run and one pass more has reported
         what it started (a cancel: its receive, say), even in manual mode."""

@@ -97,9 +97,10 @@ class MpiTransport(Transport):
         self.numprocs = self.comm.Get_size()
         self.tag_max = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
         self.report = Reporter(lambda: self._sink)  # the sink of the moment (see bind)
-        # The actions of user messages' requests, bound once (a bound method is an object).
+        # Called for every user message: bound once (a bound method is an object).
         self._on_send_done: Action = self._send_done
         self._on_recv_done: Action = self._recv_done
+        self._report_submitted = self.report.submitted
         self.engine = Engine(loop, progress, self._contain, self.report.hand_over,
                              self._hot_spot, loop_helps=handlers == "loop")
         self.control = ControlChannel(self.engine, self.tag_max, self._on_control)
@@ -167,7 +168,7 @@ class MpiTransport(Transport):
             return
         state = msg.transport_data = _Send(data, copied)
         if copied:
-            self.engine.call(self.report.submitted, msg)
+            self.engine.call_in_context(self._report_submitted, msg)
         state.entry = self.engine.add(request, self._on_send_done, owner=msg)
 
     def _send_done(self, msg: Operation, status: MPI.Status, error: MPI.Exception | None) -> None:

@@ -1047,15 +1047,22 @@ class Engine:
     # -- ending operations -------------------------------------------------------------
 
     def _end(self, rec: _Rec, report: Report) -> None:
-        """The one terminal report of `rec`."""
+        """The one terminal report of `rec`.
+
+        The operation lets go of `rec` (a later cancel finds nothing to do): the
+        wire may hold `rec` a while longer, but the cycle op -> rec -> op is broken,
+        so that reference counting frees the message, not the cyclic collector.
+        """
         if not rec.ended:
             rec.ended = True
+            rec.op.transport_data = None
             self._live -= 1
             self._reports.append(report)
 
     def _completed(self, rec: _Rec, length: int, peer: int, tag: int) -> None:
         if not rec.ended:  # `_end`, inlined: this is every message's path
             rec.ended = True
+            rec.op.transport_data = None
             self._live -= 1
             self._reports.append(Report(_COMPLETED, rec.op, length, peer, tag))
 

@@ -173,6 +173,10 @@ class MpiTransport(Transport):
 
     def _send_done(self, msg: Operation, status: MPI.Status, error: MPI.Exception | None) -> None:
         state: _Send = msg.transport_data
+        # Done with: a cancel that comes now finds nothing to orphan, and the cycle
+        # message -> state -> entry -> message is broken, so that reference counting
+        # frees the message, not the cyclic garbage collector.
+        msg.transport_data = None
         if state.orphaned:  # matched at last, or failed: MPI has let go of it
             self._orphans[msg.peer] -= 1
             return
@@ -235,8 +239,8 @@ class MpiTransport(Transport):
 
     def _orphan(self, msg: Operation) -> None:
         """A copied send still unmatched: leave it to MPI, end the message now."""
-        state: _Send = msg.transport_data
-        if not state.orphaned and self.engine.disown(state.entry):
+        state: _Send | None = msg.transport_data
+        if state is not None and not state.orphaned and self.engine.disown(state.entry):
             state.orphaned = True
             self._orphans[msg.peer] += 1
             self.report.cancelled(msg)

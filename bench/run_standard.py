@@ -168,18 +168,18 @@ def targets(results: dict[str, dict[str, Any]]) -> list[str]:
     pp = results.get("pingpong-poll")
     if pp:
         mid = _row(pp, 64 * 1024) or {}
-        bw = _row(pp, BANDWIDTH_SIZE) or {}
         r_mid = _ratio(mid.get("bandwidth_MBps"), mid.get("baseline_bandwidth_MBps"))
-        r_bw = _ratio(bw.get("bandwidth_MBps"), bw.get("baseline_bandwidth_MBps"))
-        half = pp["summary"]["n_half"]
+        floor_mid = _ratio(mid.get("floor_latency_us") and 64 * 1024 / mid["floor_latency_us"],
+                           mid.get("baseline_bandwidth_MBps"))
+        half, floor_half = pp["summary"]["n_half"], pp["summary"].get("floor_n_half")
+        # The asyncio floor's own figures, measured beside mate: no asyncio design beats them.
         lines += [
-            f"- mpi poll, 64 KiB pingpong bandwidth ≥ 0.6x raw: {_f(r_mid, 2)}x → "
-            f"{_check(None if r_mid is None else r_mid >= 0.6)}",
-            f"- mpi poll, 4 MiB pingpong bandwidth ≥ 0.95x raw: {_f(r_bw, 2)}x → "
-            f"{_check(None if r_bw is None else r_bw >= 0.95)}",
-            f"- mpi poll, pingpong n½ ≤ 64 KiB: {_size(half)} → "
-            f"{_check(None if half is None else half <= 64 * 1024)}",
+            f"- mpi poll, 64 KiB pingpong bandwidth ≥ 0.6x raw: {_f(r_mid, 2)}x (the asyncio "
+            f"floor: {_f(floor_mid, 2)}x) → {_check(None if r_mid is None else r_mid >= 0.6)}",
+            f"- mpi poll, pingpong n½ ≤ 64 KiB: {_size(half)} (the asyncio floor: "
+            f"{_size(floor_half)}) → {_check(None if half is None else half <= 64 * 1024)}",
         ]
+    lines += bandwidth_targets(results)
     lines += floor_and_rate_targets(results)
     wt = results.get("wait-thread")
     if wt:
@@ -187,6 +187,23 @@ def targets(results: dict[str, dict[str, Any]]) -> list[str]:
         lines.append(f"- mpi thread, a rank waiting 1 s for a message uses ≤ 5 % of a core: "
                      f"{_f(cpu)} % → {_check(cpu <= 5)}")
     return lines + ibverbs_targets(results)
+
+
+def bandwidth_targets(results: dict[str, dict[str, Any]]) -> list[str]:
+    """SPEC §7: 4 MiB ≥ 0.95x raw for pingpong, pingping, put and get (native and
+    emulated, and the default auto), in both progress modes: one line per run."""
+    lines = []
+    for pattern in ("pingpong", "pingping", "put", "get"):
+        for progress in ("poll", "thread"):
+            for rma in (("auto", "native", "emulated") if pattern in ("put", "get") else ("",)):
+                name = "-".join(filter(None, (pattern, progress, rma)))
+                if name not in results:
+                    continue
+                bw = _row(results[name], BANDWIDTH_SIZE) or {}
+                r = _ratio(bw.get("bandwidth_MBps"), bw.get("baseline_bandwidth_MBps"))
+                lines.append(f"- mpi {name.replace('-', ' ')}, 4 MiB bandwidth ≥ 0.95x raw: "
+                             f"{_f(r, 2)}x → {_check(None if r is None else r >= 0.95)}")
+    return lines
 
 
 def floor_and_rate_targets(results: dict[str, dict[str, Any]]) -> list[str]:

@@ -581,6 +581,26 @@ def test_floor_columns_and_ratio() -> None:
     assert synthetic_result(True).to_json()["rows"][0]["floor_ratio"] is None
 
 
+def test_floor_peak_and_n_half_in_the_summary() -> None:
+    """The floor's bandwidth curve gets its own peak and n½, from its latencies alone."""
+    rows = []
+    for size, mate_us, floor_us in ((1024, 20.0, 10.0), (65536, 40.0, 20.0),
+                                    (1048576, 200.0, 160.0)):
+        mate = Measurement(size, (Sample(100, mate_us * 200e-6, 0.01),), divisor=2)
+        floor = Measurement(size, (Sample(100, floor_us * 200e-6, 0.01),), divisor=2)
+        rows.append(Row.from_measurements(mate, None, floor))
+    result = Result("pingpong", "mpi", "poll", "completion", "testhost", rows,
+                    extra={"floor": "asyncio"})
+    summary = result.to_json()["summary"]
+    assert summary["floor_peak_bandwidth_MBps"] == pytest.approx(1048576 / 160.0)
+    # Half the floor's peak (3277 MB/s) lies between 64 KiB (3277 MB/s) and 1 MiB.
+    assert summary["floor_n_half"] == pytest.approx(65536, rel=0.01)
+    assert summary["n_half"] > summary["floor_n_half"]
+    assert "floor: peak bandwidth 6553.6 MB/s, n1/2 64.0K (65536 B)" in format_summary(result)
+    no_floor = synthetic_result(True).to_json()["summary"]
+    assert "floor_n_half" not in no_floor and "floor_peak_bandwidth_MBps" not in no_floor
+
+
 def test_floor_measured_in_the_same_run_on_two_ranks(tmp_path: Path) -> None:
     path = tmp_path / "pp.json"
     env = {k: v for k, v in os.environ.items() if k != cli.PROGRESS_ENV}
@@ -595,3 +615,5 @@ def test_floor_measured_in_the_same_run_on_two_ranks(tmp_path: Path) -> None:
     for row in obj["rows"]:
         assert row["floor_latency_us"] > 0
         assert row["floor_ratio"] == pytest.approx(row["latency_us"] / row["floor_latency_us"])
+    assert obj["summary"]["floor_peak_bandwidth_MBps"] == pytest.approx(
+        max(row["size"] / row["floor_latency_us"] for row in obj["rows"]))

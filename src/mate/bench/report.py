@@ -12,7 +12,8 @@ Baseline fields are null without a baseline. Extra keys (``rma``, ``date``,
 ``python``, ``mpi_library``, ``repetitions``, ... and per row ``iterations``,
 ``baseline_cpu_percent``, ``latency_ratio``, ``bandwidth_ratio``,
 ``messages_per_s``, ``baseline_messages_per_s``, ``floor_latency_us``,
-``floor_ratio``) may be added but those above never change.
+``floor_ratio``; in the summary, with ``--floor``, ``floor_peak_bandwidth_MBps`` and
+``floor_n_half``) may be added but those above never change.
 ``messages_per_s`` is 10^6 / ``latency_us``: for the rate pattern, whose
 latency is the time per message of a window, the message rate.
 """
@@ -58,6 +59,12 @@ class Row:
             baseline_cpu_percent=None if raw is None else raw.cpu_percent,
             baseline_iterations=None if raw is None else raw.iterations,
             floor_latency_us=None if floor is None else floor.latency_us)
+
+    @property
+    def floor_bandwidth_MBps(self) -> float | None:
+        if self.floor_latency_us is None or self.floor_latency_us <= 0:
+            return None
+        return stats.bandwidth_mbps(self.size, self.floor_latency_us)
 
     @property
     def floor_ratio(self) -> float | None:
@@ -109,22 +116,32 @@ class Summary:
     n_half: float | None
     baseline_peak_bandwidth_MBps: float | None
     baseline_n_half: float | None
+    # The asyncio floor's, measured beside mate (--floor): what no asyncio design beats.
+    floor_peak_bandwidth_MBps: float | None = None
+    floor_n_half: float | None = None
 
     @classmethod
     def of(cls, rows: list[Row]) -> Summary:
         sizes = [r.size for r in rows]
-        base = [r.baseline_bandwidth_MBps for r in rows]
-        if rows and all(b is not None for b in base):
-            base_bw = [float(b) for b in base if b is not None]
-            base_peak, base_half = stats.peak(base_bw), stats.n_half(sizes, base_bw)
-        else:
-            base_peak = base_half = None
+        base_peak, base_half = _peak_and_half(sizes, [r.baseline_bandwidth_MBps for r in rows])
+        floor_peak, floor_half = _peak_and_half(sizes, [r.floor_bandwidth_MBps for r in rows])
         bandwidths = [r.bandwidth_MBps for r in rows]
         return cls(stats.peak(bandwidths), stats.n_half(sizes, bandwidths), base_peak,
-                   base_half)
+                   base_half, floor_peak, floor_half)
 
     def to_json(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in SUMMARY_KEYS}
+        extra = (("floor_peak_bandwidth_MBps", "floor_n_half")
+                 if self.floor_peak_bandwidth_MBps is not None else ())
+        return {key: getattr(self, key) for key in (*SUMMARY_KEYS, *extra)}
+
+
+def _peak_and_half(sizes: list[int], bandwidths: list[float | None]
+                   ) -> tuple[float | None, float | None]:
+    """Peak bandwidth and n½ of a column measured at every size, else (None, None)."""
+    if not bandwidths or any(b is None for b in bandwidths):
+        return None, None
+    measured = [float(b) for b in bandwidths if b is not None]
+    return stats.peak(measured), stats.n_half(sizes, measured)
 
 
 @dataclass
@@ -256,6 +273,9 @@ def format_summary(result: Result) -> str:
         peak_ratio = stats.ratio(s.peak_bandwidth_MBps, s.baseline_peak_bandwidth_MBps)
         half_ratio = stats.ratio(s.n_half, s.baseline_n_half)
         line += f"; MATE/raw: peak {_plain(peak_ratio, 2)}, n1/2 {_plain(half_ratio, 2)}"
+    if s.floor_peak_bandwidth_MBps is not None:
+        line += (f"; floor: peak bandwidth {_plain(s.floor_peak_bandwidth_MBps)} MB/s, "
+                 f"n1/2 {_size_or_dash(s.floor_n_half)}")
     return line
 
 

@@ -17,11 +17,12 @@ sharing one `Backoff`:
 * `ThreadProgress` (``thread``): a progress thread (MPI_THREAD_MULTIPLE) runs
   the passes, with the same backoff done by sleeping, and sleeps on a
   condition when nothing at all is outstanding. With handlers on the loop, a
-  task awaiting a message also has the loop run passes, as poll mode does,
-  until `SPIN` passes without progress, and the thread stands back meanwhile:
-  a completion found on the loop's thread needs no hop onto it (most of
-  thread mode's latency), while the thread still moves messages whenever the
-  loop computes or has given up. Actions run in whichever thread ran the pass.
+  task awaiting a message (or a post made on the loop) also has the loop run
+  passes, as poll mode does, until `SPIN` passes without progress, and the
+  thread stands back meanwhile: a completion found on the loop's thread needs
+  no hop onto it (most of thread mode's latency), while the thread still moves
+  messages whenever the loop computes or has given up. Actions run in
+  whichever thread ran the pass.
 * `ManualProgress` (``manual``): passes run only from `world.progress()` and
   while a task awaits a message (`drive_until`), and, so that timeouts (the
   core's clock, not progress) take effect at once, while a cancel is carried
@@ -521,9 +522,8 @@ class ThreadProgress(Progress):
     the loop helps (`_helped`, the time of its last pass, is recent), the thread
     waits on its condition instead of polling: two threads polling in Python fight
     over the GIL, which costs both. The loop stops helping when nothing moved for
-    `SPIN` or no user message is left, and then wakes the thread; if a long
-    callback keeps the loop away instead, the thread takes over once `STAND_BACK`
-    has passed.
+    `SPIN` (and wakes the thread) or no user message is left; if a long callback
+    keeps the loop away instead, the thread takes over once `STAND_BACK` has passed.
     """
 
     threaded = True

@@ -106,7 +106,7 @@ def test_bad_sizes_are_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> 
     (["pingping", "--handlers"], "rate pattern only"),
     (["rate", "--window", "0"], "must be >= 1"),
     (["rate", "--wait", "submission"], "no submission"),
-    (["put", "--transport", "mpi", "--floor"], "pingpong pattern only"),
+    (["put", "--transport", "mpi", "--floor"], "pingpong and pingping patterns only"),
     (["pingpong", "--transport", "local", "--floor"], "need a launched transport"),
 ])
 def test_bad_combinations(argv: list[str], message: str,
@@ -601,17 +601,18 @@ def test_floor_peak_and_n_half_in_the_summary() -> None:
     assert "floor_n_half" not in no_floor and "floor_peak_bandwidth_MBps" not in no_floor
 
 
-def test_floor_measured_in_the_same_run_on_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pattern", ["pingpong", "pingping"])
+def test_floor_measured_in_the_same_run_on_two_ranks(tmp_path: Path, pattern: str) -> None:
     path = tmp_path / "pp.json"
     env = {k: v for k, v in os.environ.items() if k != cli.PROGRESS_ENV}
     done = subprocess.run(
-        [sys.executable, "-m", "mate.bench", "pingpong", "--transport", "mpi", "--baseline",
+        [sys.executable, "-m", "mate.bench", pattern, "--transport", "mpi", "--baseline",
          "--floor", "--sizes", "8,4K", "--min-time", "0.001", "--repetitions", "2",
          "--json", str(path)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     obj = json.loads(path.read_text())
     check_schema(obj, baseline=True)
-    assert obj["floor"] == "asyncio"
+    assert obj["floor"] == "asyncio" and obj["pattern"] == pattern
     for row in obj["rows"]:
         assert row["floor_latency_us"] > 0
         assert row["floor_ratio"] == pytest.approx(row["latency_us"] / row["floor_latency_us"])

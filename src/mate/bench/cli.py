@@ -24,7 +24,7 @@ from mate import registry
 from mate.arguments import non_negative, positive_int
 from mate.bench import stats
 from mate.bench.driver import BenchError, Options, run
-from mate.bench.patterns import DEFAULT_WINDOW, PATTERNS, SUBMISSION_PATTERNS
+from mate.bench.patterns import DEFAULT_WINDOW, FLOOR_PATTERNS, PATTERNS, SUBMISSION_PATTERNS
 from mate.bench.report import Result, format_summary, write_plot
 from mate.errors import InvalidArgument
 
@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", action="store_true",
                         help="also measure raw mpi4py in the same run (mpi only)")
     parser.add_argument("--floor", action="store_true",
-                        help="pingpong: also measure the asyncio (or uvloop) floor in the same "
-                             "run: mpi4py requests awaited through loop callbacks, no mate")
+                        help="pingpong, pingping: also measure the asyncio (or uvloop) floor in "
+                             "the same run: mpi4py requests awaited through loop callbacks, "
+                             "no mate")
     parser.add_argument("--idle", type=non_negative, default=1.0, metavar="S",
                         help="wait pattern: how long rank 1 waits before sending (default 1)")
     parser.add_argument("--window", type=positive_int, metavar="W",
@@ -129,8 +130,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.wait == "submission" and args.pattern not in SUBMISSION_PATTERNS:
         parser.error(f"--wait submission: {args.pattern} has no submission event "
                      f"(only {', '.join(SUBMISSION_PATTERNS)} do)")
-    if args.floor and args.pattern != "pingpong":
-        parser.error("--floor applies to the pingpong pattern only")
+    if args.floor and args.pattern not in FLOOR_PATTERNS:
+        parser.error(f"--floor applies to the {' and '.join(FLOOR_PATTERNS)} patterns only")
     if args.pattern != "rate" and (args.window is not None or args.handlers):
         parser.error("--window and --handlers apply to the rate pattern only")
     if args.rma is not None and args.pattern not in ("put", "get"):

@@ -54,6 +54,7 @@ from mate.bench.measure import Batch, Sample, clock
 
 PATTERNS = ("pingpong", "pingping", "put", "get", "wait", "rate")
 SUBMISSION_PATTERNS = ("pingpong", "pingping", "put")  # send and put have a submission
+FLOOR_PATTERNS = ("pingpong", "pingping")  # what the asyncio floor (--floor) is measured for
 DEFAULT_WINDOW = 64  # the rate pattern's messages per window (OSU's default)
 
 DATA_TAG = 1
@@ -502,7 +503,13 @@ async def await_request(request: Any) -> None:
 
 
 class FloorBench(_MpiPhases):
-    """One rank's side of the floor ping-pong, on a communicator of its own."""
+    """One rank's side of the floor ping-pong or ping-ping, on a communicator of its own:
+    the pattern mate's runs (receive posted first, the send then the receive awaited),
+    each request awaited through loop callbacks."""
+
+    def __init__(self, pattern: str, sizes: list[int]) -> None:
+        super().__init__(sizes)
+        self.pattern = pattern
 
     def teardown(self) -> None:
         self.comm.Free()
@@ -526,5 +533,10 @@ class FloorBench(_MpiPhases):
         while (batch := self._next_batch()) is not None:
             n, out, into = batch
             for _ in range(n):
-                await await_request(comm.Irecv(into, 0, DATA_TAG))
-                await await_request(comm.Issend(out, 0, DATA_TAG))
+                if self.pattern == "pingping":  # rank 0's loop, mirrored
+                    incoming = comm.Irecv(into, 0, DATA_TAG)
+                    await await_request(comm.Issend(out, 0, DATA_TAG))
+                    await await_request(incoming)
+                else:
+                    await await_request(comm.Irecv(into, 0, DATA_TAG))
+                    await await_request(comm.Issend(out, 0, DATA_TAG))

@@ -521,9 +521,7 @@ class FloorBench(_MpiPhases):
             self._start(n, size)
             start = clock()
             for _ in range(n):
-                reply = comm.Irecv(into, 1, DATA_TAG)
-                await await_request(comm.Issend(out, 1, DATA_TAG))
-                await await_request(reply)
+                await _floor_exchange(comm, out, into, 1)
             return Sample.since(n, start)
 
         return timed
@@ -534,9 +532,14 @@ class FloorBench(_MpiPhases):
             n, out, into = batch
             for _ in range(n):
                 if self.pattern == "pingping":  # rank 0's loop, mirrored
-                    incoming = comm.Irecv(into, 0, DATA_TAG)
-                    await await_request(comm.Issend(out, 0, DATA_TAG))
-                    await await_request(incoming)
+                    await _floor_exchange(comm, out, into, 0)
                 else:
                     await await_request(comm.Irecv(into, 0, DATA_TAG))
                     await await_request(comm.Issend(out, 0, DATA_TAG))
+
+
+async def _floor_exchange(comm: Any, out: memoryview, into: memoryview, peer: int) -> None:
+    """Post the receive, await the send, then the receive: mate's ping-pong and ping-ping."""
+    incoming = comm.Irecv(into, peer, DATA_TAG)
+    await await_request(comm.Issend(out, peer, DATA_TAG))
+    await await_request(incoming)

@@ -200,6 +200,7 @@ class Engine:
         # after making it, under this condition's lock: no wake-up is lost.
         self.wake = threading.Condition()
         self.backoff = Backoff()
+        self._add_entry = self._add  # bound once: `add` runs for every message
         strategies: dict[str, Callable[[Engine, asyncio.AbstractEventLoop], Progress]] = {
             "poll": PollProgress, "thread": ThreadProgress, "manual": ManualProgress}
         self._progress = strategies[mode](self, loop)
@@ -221,11 +222,7 @@ class Engine:
         The returned entry is the request's handle for `disown`.
         """
         entry = Entry(request, action, owner, standing, receive)
-        if self._progress.threaded:
-            self.call(self._add, entry)
-        else:  # poll and manual: everything runs on the loop's thread
-            self._add(entry)
-            self._progress.kick()
+        self.call_in_context(self._add_entry, entry)
         return entry
 
     def _add(self, entry: Entry) -> None:

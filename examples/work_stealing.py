@@ -32,7 +32,14 @@ failure means never delivered, and the thief's first answer decides the rest.
 Termination is implicit, as seed 001 §4.4.3 proposes: every rank reports its
 cumulative count of finished units to rank 0 when it runs dry (reports are
 cumulative, so a lost or late one does no harm); when the counts add up to U,
-rank 0 sends STOP, and every rank answers with its statistics (FINAL).
+rank 0 sends STOP, and every rank answers with its statistics (FINAL), sent
+again until one copy completes or rank 0 answers a copy (GOT_FINAL). A copy
+may arrive after its send timed out, and an answer may be lost, so a rank can
+still be sending copies after rank 0 holds every FINAL. Rank 0 therefore
+lingers before it leaves, as TCP's TIME_WAIT does, answering copies until none
+has come for twice the longest a copy takes to be confirmed or sent again (the
+timeout, plus the fault plan's delay): leaving at once would leave the sender
+sending to a rank that is gone, for ever.
 
 The check: the solutions add up to the known count, and the finished units'
 numbers add up (their count, sum and sum of squares are those of 0..U-1), so no
@@ -95,6 +102,7 @@ class Kind(enum.IntEnum):
     REPORT = 6  # any -> rank 0: cumulative <QQQQQ seq, units, sum, squares, solutions>
     STOP = 7  # rank 0 -> all: every unit is done
     FINAL = 8  # any -> rank 0: this rank's statistics (JSON)
+    GOT_FINAL = 9  # rank 0 -> any: your FINAL arrived (answers every copy)
 
 
 # -- the workload ----------------------------------------------------------------------------
@@ -235,6 +243,7 @@ class Stealer:
         self.reported: tuple[int, ...] = ()
         self.reports: dict[int, tuple[int, ...]] = {}
         self.finals: dict[int, dict[str, Any]] = {}
+        self.last_final = 0.0  # loop time of the latest FINAL copy (rank 0)
 
     # -- the main loop ----------------------------------------------------------------------
 
@@ -262,7 +271,6 @@ class Stealer:
             await self.wait_for_acks()
             if unit is None:
                 await self.idle()
-        self.close()
 
     def compute(self, unit: Unit) -> None:
         number, cols, left, right = unit
@@ -300,6 +308,16 @@ class Stealer:
                 await asyncio.wait_for(self.wake.wait(), 0.05)
         else:
             await asyncio.sleep(0.0005)  # message passing polls
+
+    async def linger(self) -> None:
+        """Rank 0, once it holds every FINAL: answer late copies until none has come for a while."""
+        delay = self.config.faults.delay_seconds if self.config.faults else 0.0
+        quiet = 2 * (self.config.timeout + delay)
+        while self.loop.time() < self.last_final + quiet:
+            self.world.progress()
+            await asyncio.sleep(0.005)
+            if not self.handlers:
+                self.poll()
 
     def leaving(self) -> bool:
         if not self.stopped:
@@ -400,6 +418,11 @@ class Stealer:
                 self.on_stop()
             elif kind is Kind.FINAL:
                 self.finals[source] = json.loads(payload)
+                self.last_final = self.loop.time()
+                self.send(Kind.GOT_FINAL, source, b"")
+                self.notify()
+            elif kind is Kind.GOT_FINAL:
+                self.final_delivered = True
                 self.notify()
 
     # -- thief ------------------------------------------------------------------------------
@@ -621,6 +644,9 @@ async def program(world: mate.World, config: Config) -> Result | None:
     start = time.perf_counter()
     await stealer.run()
     elapsed = time.perf_counter() - start
+    if world.mypid == 0:
+        await stealer.linger()
+    stealer.close()
     if world.mypid != 0:
         return None
     stealer.stats.injected = dict(injected)

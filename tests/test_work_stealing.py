@@ -270,3 +270,18 @@ def test_script_under_mate_run_on_ibverbs(extra: list[str]) -> None:
                                       "--faults", "drop=0.05,delay=0.05,fail=0.05",
                                       launcher=launcher))
     assert "ibverbs, 3 ranks" in last
+
+
+@pytest.mark.parametrize("transport", [
+    "ibverbs", pytest.param("mpi", marks=mpi)])
+def test_a_final_that_arrives_after_its_timeout_still_lets_every_rank_leave(
+        transport: str) -> None:
+    """Nearly every message is delayed past its timeout, the FINALs included, so a rank's
+    FINAL reaches rank 0 while the rank is still sending copies. Rank 0 used to leave at
+    once, and the rank kept sending to it until the deadline (CI, ibverbs: 1 run in many)."""
+    launcher = [str(Path(sys.executable).with_name("mate-run")), "-n", "3", "--transport",
+                transport]
+    last = assert_verified(run_script("--transport", transport, "-n", "8", "--timeout", "0.05",
+                                      "--faults", "delay=0.9:0.1", "--deadline", "30",
+                                      launcher=launcher))
+    assert "delay=0.9:0.1" in last

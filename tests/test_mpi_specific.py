@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import pytest
-from conftest import LAUNCHED, THREADED, Fabric, barrier
+from conftest import LAUNCH_OPTIONS, LAUNCHED, THREADED, Fabric, barrier
 
 import mate
 
@@ -383,3 +383,40 @@ async def test_a_message_a_closed_world_left_unreceived_never_reaches_the_next(
             await barrier(world)
 
         await group.run(receive_nothing)
+
+
+@pytest.mark.skipif(LAUNCH_OPTIONS.get("progress") != "poll", reason="poll mode's passes")
+async def test_a_window_of_messages_completes_in_a_few_loop_callbacks(fabric: Fabric) -> None:
+    """Poll mode tests again while passes move. MPICH takes in one message per call, so
+    a window of receives whose messages arrive together completes over as many passes:
+    they run in a few loop callbacks, not one loop iteration each (counted by a task
+    that yields in every iteration)."""
+    window = 64
+
+    async def program(world: mate.World) -> None:
+        if world.mypid == 0:
+            await world.recv(bytearray(0), 1, tag=22)  # rank 1's receives are posted
+            for message in [world.send(bytes([i]), 1, tag=21) for i in range(window)]:
+                await message
+        elif world.mypid == 1:
+            buffers = [bytearray(1) for _ in range(window)]
+            receives = [world.recv(b, 0, tag=21) for b in buffers]
+            iterations, done = 0, False
+
+            async def count_iterations() -> None:
+                nonlocal iterations
+                while not done:
+                    iterations += 1
+                    await asyncio.sleep(0)
+
+            counter = asyncio.ensure_future(count_iterations())
+            await world.send(b"", 0, tag=22)
+            await asyncio.gather(*receives)
+            done = True
+            await counter
+            assert [b[0] for b in buffers] == list(range(window))
+            assert iterations <= window // 4, iterations
+        await barrier(world)
+
+    async with fabric.open() as group:
+        await group.run(program)

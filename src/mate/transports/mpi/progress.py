@@ -2,12 +2,15 @@
 
 MPI has no completion callbacks, so someone must test requests (thesis §5.2).
 The `Engine` keeps every outstanding request with an *action* to run when it
-completes, and one `test()` pass runs `MPI_Testsome` over them all. Who runs
-passes, and when, is the progress mode, each a small strategy of its own
-sharing one `Backoff`:
+completes, and one `test()` pass runs `MPI_Testsome` over them: the transport's
+own requests and the oldest user requests in every pass, all of them when
+those did not move (`Engine._test_live`). Who runs passes, and when, is the
+progress mode, each a small strategy of its own sharing one `Backoff`:
 
 * `PollProgress` (``poll``): a callback on the event loop, rescheduled with
-  `call_soon` while user messages are outstanding (lowest latency); after
+  `call_soon` while user messages are outstanding (lowest latency), which runs
+  passes while they move (`loop_slice`: MPICH takes in one message per call,
+  so a window of messages completes in one callback); after
   `SPIN` seconds without progress it backs off to timers of growing delay (up
   to `MAX_BACKOFF`, and `LONG_IDLE_BACKOFF` once nothing moved for
   `LONG_IDLE`), and with only the transport's own standing receives left it
@@ -78,6 +81,9 @@ LONG_IDLE_BACKOFF = 0.004  # ... when waiting gets cheaper still (a message wait
 IDLE_INTERVAL = 0.005  # pause between passes when only standing receives are outstanding
 ORPHAN_INTERVAL = 0.05  # how often orphaned sends are tested (so MPI can free them)
 STAND_BACK = 2 * SLICE  # a progress thread leaves passes to a loop that ran one this recently
+FRONT = 4  # the oldest user requests, tested in every pass (Engine._test_live) ...
+WHOLE_EVERY = 8  # ... and all of them when those did not move, or every this many passes
+COMPACT_SLACK = 16  # holes a request list may hold beyond as many as its requests
 
 
 class Entry:
@@ -95,17 +101,22 @@ class Entry:
         self.index = -1  # position in the live or the orphan list
 
 class _Requests:
-    """Requests with their entries, in two arrays for `MPI_Testsome`; O(1) removal."""
+    """Requests with their entries, in posting order.
+
+    A request that goes leaves a hole (`MPI.REQUEST_NULL`, which `MPI_Testsome`
+    skips), and the arrays are compacted once holes outnumber requests: removal
+    costs O(1), amortised, and the oldest requests stay in front, where a pass
+    looks first (MPI matches in order, so they are the ones that complete first).
+    """
 
     def __init__(self) -> None:
         self.requests: list[MPI.Request] = []
-        self.entries: list[Entry] = []
-        # Scratch for Testsome, at least one per request; kept when requests go, so
-        # that a message makes no Status of its own before it completes.
-        self.statuses: list[MPI.Status] = []
+        self.entries: list[Entry | None] = []  # None at a hole
+        self.first = 0  # the oldest request's index: only holes before it
+        self._count = 0
 
     def __len__(self) -> int:
-        return len(self.requests)
+        return self._count
 
     def holds(self, entry: Entry) -> bool:
         i = entry.index
@@ -115,35 +126,26 @@ class _Requests:
         entry.index = len(self.requests)
         self.requests.append(entry.request)
         self.entries.append(entry)
-        if len(self.statuses) < len(self.requests):
-            self.statuses.append(MPI.Status())
+        self._count += 1
 
     def remove(self, entry: Entry) -> None:
-        """Take `entry` out by moving the last entry into its place."""
-        i, last = entry.index, len(self.requests) - 1
-        moved = self.entries[last]
-        self.requests[i], self.entries[i] = moved.request, moved
-        moved.index = i
-        del self.requests[last], self.entries[last]
-
-    def testsome(self) -> tuple[list[tuple[Entry, MPI.Status]], MPI.Exception | None]:
-        """The entries whose requests completed (now removed), with their statuses."""
-        try:
-            done = MPI.Request.Testsome(self.requests, self.statuses)
-            error = None
-        except MPI.Exception as exc:
-            # MPI_ERR_IN_STATUS (e.g. a truncated receive): the index list is lost, but
-            # the completed requests were set to MPI_REQUEST_NULL, and MPICH and Open
-            # MPI both report completions in ascending index order.
-            done = [i for i, r in enumerate(self.requests) if r == MPI.REQUEST_NULL]
-            error = exc
-        if not done:
-            return [], None
-        # Testsome's k-th status belongs to its k-th index, not to request k.
-        finished = [(self.entries[i], MPI.Status(self.statuses[k])) for k, i in enumerate(done)]
-        for i in sorted(done, reverse=True):  # highest first: moves never touch a done one
-            self.remove(self.entries[i])
-        return finished, error
+        i = entry.index
+        self.requests[i] = MPI.REQUEST_NULL
+        self.entries[i] = None
+        entry.index = -1
+        self._count -= 1
+        if i == self.first:
+            entries, first, end = self.entries, i + 1, len(self.entries)
+            while first < end and entries[first] is None:
+                first += 1
+            self.first = first
+        if len(self.entries) > 2 * self._count + COMPACT_SLACK:
+            live = [entry for entry in self.entries if entry is not None]
+            for index, entry in enumerate(live):
+                entry.index = index
+            self.requests = [entry.request for entry in live]
+            self.entries = list(live)
+            self.first = 0
 
 
 class Backoff:
@@ -187,10 +189,13 @@ class Engine:
         self._hot_spot = hot_spot  # mate.debug: called between a test and its actions
         self._on_error = on_error
         self._on_pass_end = on_pass_end  # the transport hands the pass's reports over
-        self._live = _Requests()
+        self._live = _Requests()  # user messages' requests
+        self._standing = _Requests()  # the transport's own, tested in every pass
         self._orphans = _Requests()  # abandoned sends, left for MPI to finish
         self._next_orphan_test = 0.0
-        self._standing = 0  # requests that are the transport's own, always outstanding
+        # Scratch for Testsome (mpi4py lengthens it as needed), kept from pass to
+        # pass so that a message makes no Status of its own before it completes.
+        self._statuses: list[MPI.Status] = []
         # Work handed to the progress context: (function, args, owner).
         self._inbox: list[tuple[Callable[..., None], tuple[Any, ...], Any]] = []
         self._after_pass: list[tuple[Callable[[], None], Any]] = []
@@ -226,9 +231,7 @@ class Engine:
         return entry
 
     def _add(self, entry: Entry) -> None:
-        self._live.add(entry)
-        if entry.standing:
-            self._standing += 1
+        (self._standing if entry.standing else self._live).add(entry)
         self.backoff.moved()
 
     def call(self, fn: Callable[..., None], *args: Any, owner: Any = None) -> None:
@@ -258,7 +261,7 @@ class Engine:
 
     @property
     def user_outstanding(self) -> int:
-        return len(self._live) - self._standing
+        return len(self._live)
 
     @property
     def orphans(self) -> int:
@@ -270,7 +273,7 @@ class Engine:
 
     def idle_interval(self) -> float | None:
         """With nothing busy: the pause before the next pass, or None for no pass."""
-        if self._live:
+        if self._standing:
             return IDLE_INTERVAL  # the standing receives: peers' requests
         return ORPHAN_INTERVAL if self._orphans else None
 
@@ -293,8 +296,8 @@ class Engine:
         for fn, args, owner in inbox:
             self._guarded(owner, fn, *args)
         moved = bool(inbox)
-        if self._live:
-            finished, error = self._live.testsome()
+        if self._live or self._standing:
+            finished, error = self._test_live()
             if finished:
                 moved = True
                 if self._hot_spot is not None:
@@ -302,7 +305,8 @@ class Engine:
                 self._run_actions(finished, error)
         if self._orphans and time.monotonic() >= self._next_orphan_test:
             self._next_orphan_test = time.monotonic() + ORPHAN_INTERVAL
-            finished, error = self._orphans.testsome()
+            orphans = self._orphans
+            finished, error = self._testsome(orphans, orphans.first, len(orphans.requests))
             self._run_actions(finished, error)
         if self._after_pass:
             hooks, self._after_pass = self._after_pass, []
@@ -313,12 +317,61 @@ class Engine:
             self.backoff.moved()
         return moved
 
+    def _test_live(self) -> tuple[list[tuple[Entry, MPI.Status]], MPI.Exception | None]:
+        """Test the transport's own requests and the user's oldest `FRONT`; if none of
+        those completed, or every `WHOLE_EVERY` passes, the rest of the user's too.
+
+        `MPI_Testsome` costs mpi4py O(n) for n requests, and MPICH takes in one
+        message per call, so testing a window of n messages whole in every pass
+        would cost O(n) a message. MPI matches in order, so a window completes
+        from its front: a pass tests the front, and the rest only when the front
+        did not move (a late pass finds nothing else) or often enough that a
+        request completing out of order waits at most `WHOLE_EVERY` passes.
+        """
+        live = self._live
+        lo, end = live.first, len(live.requests)
+        hi = end if self.passes % WHOLE_EVERY == 0 else min(lo + FRONT, end)
+        finished, error = self._testsome(live, lo, hi, self._standing)
+        if not finished and hi < end:
+            finished, error = self._testsome(live, hi, end)
+        return finished, error
+
+    def _testsome(self, group: _Requests, lo: int, hi: int, also: _Requests | None = None
+                  ) -> tuple[list[tuple[Entry, MPI.Status]], MPI.Exception | None]:
+        """Testsome over `group`'s requests lo:hi (and all of `also`'s, in the same call):
+        the entries whose requests completed, now removed, with their statuses."""
+        requests = group.requests[lo:hi]
+        entries: list[Entry | None] = group.entries[lo:hi]
+        own = len(requests)  # the first `own` are group's, the rest also's
+        if also:
+            requests += also.requests
+            entries += also.entries
+        statuses = self._statuses
+        try:
+            done = MPI.Request.Testsome(requests, statuses)
+            error = None
+        except MPI.Exception as exc:
+            # MPI_ERR_IN_STATUS (e.g. a truncated receive): the index list is lost, but
+            # the completed requests were set to MPI_REQUEST_NULL (as the holes are),
+            # and MPICH and Open MPI both report completions in ascending index order.
+            done = [i for i, r in enumerate(requests)
+                    if r == MPI.REQUEST_NULL and entries[i] is not None]
+            error = exc
+        if not done:
+            return [], None
+        # Testsome's k-th status belongs to its k-th index, not to request k.
+        finished: list[tuple[Entry, MPI.Status]] = []
+        for k, i in enumerate(done):
+            entry = entries[i]
+            assert entry is not None  # Testsome skips the holes
+            finished.append((entry, MPI.Status(statuses[k])))
+            (group if i < own or also is None else also).remove(entry)
+        return finished, error
+
     def _run_actions(self, finished: list[tuple[Entry, MPI.Status]],
                      error: MPI.Exception | None) -> None:
         for entry, status in finished:
             failed = error if error is not None and status.Get_error() != MPI.SUCCESS else None
-            if entry.standing:
-                self._standing -= 1
             self._guarded(entry.owner, entry.action, entry.owner, status, failed)
 
     def _guarded(self, owner: Any, fn: Callable[..., None], *args: Any) -> None:
@@ -348,25 +401,25 @@ class Engine:
         still finish is left (orphaned sends excepted) or the deadline passes."""
         while time.monotonic() < deadline:
             self.test()
-            if not self._inbox and not self._live:
+            if not self._inbox and not self._live and not self._standing:
                 return
 
     def cancel_receives(self, *, standing: bool) -> None:
         """Cancel the outstanding user receives (and the standing ones if `standing`)."""
-        for entry in self._live.entries:
-            if entry.receive and (standing or not entry.standing):
-                entry.request.Cancel()
+        for group in (self._live, self._standing) if standing else (self._live,):
+            for entry in group.entries:
+                if entry is not None and entry.receive:
+                    entry.request.Cancel()
 
     def disown(self, entry: Entry) -> bool:
         """Move a live request to the orphans (tested rarely, so MPI can free it).
 
         False if it is not live (it completed already). Progress context only.
         """
-        if not self._live.holds(entry):
+        group = self._standing if entry.standing else self._live
+        if not group.holds(entry):
             return False
-        self._live.remove(entry)
-        if entry.standing:
-            self._standing -= 1
+        group.remove(entry)
         self._orphans.add(entry)
         return True
 
@@ -395,6 +448,27 @@ class Progress(abc.ABC):
 
     @abc.abstractmethod
     def stop(self) -> None: ...
+
+
+def loop_slice(engine: Engine, test: Callable[[], bool]) -> None:
+    """The passes of one callback on the event loop: one, or while user messages are
+    outstanding (and passes not backing off), more for up to SLICE.
+
+    Going round the loop costs a system call and a wake-up of each task a pass
+    resolved, so the callback tests again until a pass moves, and then goes on
+    while passes move: MPICH takes in one message per call, so a window of
+    messages arriving together completes in one callback, and each task that
+    awaits them wakes once. The pass after the last completion finds nothing and
+    ends the slice; a pass that leaves no user message outstanding ends it at once.
+    """
+    moved = test()
+    if not (engine.user_outstanding and engine.backoff.spinning()):
+        return
+    give_up = time.monotonic() + SLICE
+    while not moved and time.monotonic() < give_up:
+        moved = test()
+    while moved and engine.user_outstanding and time.monotonic() < give_up:
+        moved = test()
 
 
 class PollProgress(Progress):
@@ -457,14 +531,7 @@ class PollProgress(Progress):
     def _poll(self) -> None:
         self._soon = None
         self._due = math.inf
-        engine = self.engine
-        # Going round the event loop costs a system call; while user messages are
-        # outstanding, test again for up to SLICE before yielding to other callbacks.
-        if (not engine.test() and engine.user_outstanding
-                and engine.backoff.spinning()):  # not once backing off
-            give_up = time.monotonic() + SLICE
-            while not engine.test() and time.monotonic() < give_up:
-                pass
+        loop_slice(self.engine, self.engine.test)
         self.next_pass()
 
     def next_pass(self) -> None:
@@ -571,11 +638,7 @@ class ThreadProgress(Progress):
             return
         engine = self.engine
         self._helped = time.monotonic()
-        # As PollProgress._poll: test again for up to SLICE before going round the loop.
-        if not self._loop_test() and engine.user_outstanding and engine.backoff.spinning():
-            give_up = time.monotonic() + SLICE
-            while not self._loop_test() and time.monotonic() < give_up:
-                pass
+        loop_slice(engine, self._loop_test)
         if engine.user_outstanding and engine.backoff.spinning():
             self._help = self.loop.call_soon(self._help_pass)
         else:

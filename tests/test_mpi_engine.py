@@ -1,0 +1,163 @@
+"""The MPI transport's progress engine on its own: requests kept in posting order,
+tested from the front, in this process on MPI.COMM_SELF (no mpiexec, no world).
+
+A pass tests the transport's own requests and the oldest `FRONT` user requests,
+and the rest when those did not move or every `WHOLE_EVERY` passes. The tests
+complete receives in chosen orders by sending to this process, interleave
+passes, orphaning and cancelling, and check that every request's action runs
+once, with its own status, within a bounded number of passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+MPI = pytest.importorskip("mpi4py.MPI")
+
+from mate.transports.mpi import progress  # noqa: E402
+from mate.transports.mpi.progress import FRONT, WHOLE_EVERY, Engine, Entry  # noqa: E402
+
+
+class Recorder:
+    """An engine in manual mode (passes run only when the test says), and what its
+    actions saw: (tag, the pass it ran in, cancelled) per owner."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.errors: list[BaseException] = []
+        self.engine = Engine(self.loop, "manual", lambda exc, owner: self.errors.append(exc),
+                             lambda: None)
+        self.seen: dict[Any, tuple[int, int, bool]] = {}
+        self.buffers: list[bytearray] = []
+        self.comm = MPI.COMM_SELF.Dup()  # nothing left from another test can match
+
+    def action(self, owner: Any, status: Any, error: Any) -> None:
+        assert owner not in self.seen, f"{owner}'s action ran twice"
+        assert error is None
+        self.seen[owner] = (status.Get_tag(), self.engine.passes, status.Is_cancelled())
+
+    def receive(self, tag: int, *, standing: bool = False) -> Entry:
+        buffer = bytearray(1)
+        self.buffers.append(buffer)
+        request = self.comm.Irecv(buffer, 0, tag)
+        return self.engine.add(request, self.action, owner=("recv", tag), standing=standing,
+                               receive=True)
+
+    def send(self, tag: int) -> None:
+        self.comm.Send(b"x", 0, tag)  # a receive is posted for it: matched at once
+
+    def close(self) -> None:
+        self.engine.stop()
+        self.engine.cancel_receives(standing=True)
+        self.engine.drain(float("inf"))
+        self.comm.Free()
+        self.loop.close()
+        assert not self.errors
+
+
+@pytest.fixture
+def recorder() -> Iterator[Recorder]:
+    r = Recorder()
+    yield r
+    r.close()
+
+
+def settle(engine: Engine) -> None:
+    """Run passes until one moves nothing (that one tested every request)."""
+    while engine.test():
+        pass
+
+
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(1, 40), data=st.data())
+def test_every_receive_completes_once_with_its_own_status_in_any_order(
+        count: int, data: st.DataObject) -> None:
+    """Holes left anywhere in the request list, compactions included, lose nothing."""
+    r = Recorder()
+    try:
+        for tag in range(count):
+            r.receive(tag)
+        order = data.draw(st.permutations(range(count)))
+        passes_between = data.draw(st.lists(st.integers(0, 3), min_size=count, max_size=count))
+        for tag, passes in zip(order, passes_between, strict=True):
+            r.send(tag)
+            for _ in range(passes):
+                r.engine.test()
+        settle(r.engine)
+        assert {owner: seen[0] for owner, seen in r.seen.items()} == {
+            ("recv", tag): tag for tag in range(count)}
+        assert r.engine.user_outstanding == 0 and not r.errors
+    finally:
+        r.close()
+
+
+def test_a_receive_behind_a_moving_front_waits_at_most_whole_every_passes(
+        recorder: Recorder) -> None:
+    """While the front completes one request in every pass, a request that completes
+    out of order further back is still found within WHOLE_EVERY passes."""
+    count = 4 * WHOLE_EVERY + FRONT
+    for tag in range(count):
+        recorder.receive(tag)
+    late = count - 1
+    recorder.send(late)
+    sent_at = recorder.engine.passes
+    front = iter(range(count - 1))
+    while ("recv", late) not in recorder.seen:
+        recorder.send(next(front))  # the front moves in every pass
+        recorder.engine.test()
+        assert recorder.engine.passes - sent_at <= WHOLE_EVERY
+    for tag in front:
+        recorder.send(tag)
+    settle(recorder.engine)
+    assert len(recorder.seen) == count
+
+
+def test_a_receive_at_the_back_is_found_in_the_first_pass_when_the_front_is_still(
+        recorder: Recorder) -> None:
+    for tag in range(3 * FRONT):
+        recorder.receive(tag)
+    recorder.engine.test()  # the pass that tests everything: nothing done yet
+    recorder.send(3 * FRONT - 1)
+    assert recorder.engine.test()
+    assert ("recv", 3 * FRONT - 1) in recorder.seen
+
+
+def test_the_transports_own_receives_are_tested_in_every_pass(recorder: Recorder) -> None:
+    """A standing receive posted first is never pushed out of the front by user requests."""
+    recorder.receive(1000, standing=True)
+    for tag in range(4 * FRONT):
+        recorder.receive(tag)
+    recorder.engine.test()
+    front = iter(range(4 * FRONT))
+    recorder.send(1000)
+    recorder.send(next(front))
+    recorder.engine.test()  # the front moves, and the standing receive is in the same call
+    assert ("recv", 1000) in recorder.seen
+    assert recorder.engine.user_outstanding == 4 * FRONT - 1
+
+
+def test_orphaned_and_cancelled_requests_leave_the_order_intact(recorder: Recorder) -> None:
+    """An orphan leaves a hole where it was; cancelling user receives ends those only."""
+    entries = [recorder.receive(tag) for tag in range(3 * FRONT)]
+    standing = recorder.receive(1000, standing=True)
+    assert recorder.engine.disown(entries[0]) and not recorder.engine.disown(entries[0])
+    recorder.send(0)  # completes the orphan: its action still runs, when orphans are tested
+    recorder.send(1)
+    recorder.engine.test()
+    assert ("recv", 1) in recorder.seen and recorder.engine.user_outstanding == 3 * FRONT - 2
+    recorder.engine.cancel_receives(standing=False)
+    settle(recorder.engine)
+    cancelled = {owner for owner, seen in recorder.seen.items() if seen[2]}
+    assert cancelled == {("recv", tag) for tag in range(2, 3 * FRONT)}
+    assert recorder.engine.user_outstanding == 0
+    assert ("recv", 1000) not in recorder.seen and standing.index >= 0
+    time.sleep(progress.ORPHAN_INTERVAL)  # orphans are tested this often
+    recorder.engine.test()
+    assert recorder.seen[("recv", 0)][0] == 0 and recorder.engine.orphans == 0

@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -106,7 +107,7 @@ def test_bad_sizes_are_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> 
     (["pingping", "--handlers"], "rate pattern only"),
     (["rate", "--window", "0"], "must be >= 1"),
     (["rate", "--wait", "submission"], "no submission"),
-    (["put", "--transport", "mpi", "--floor"], "pingpong and pingping patterns only"),
+    (["put", "--transport", "mpi", "--floor"], "pingpong, pingping, rate patterns only"),
     (["pingpong", "--transport", "local", "--floor"], "need a launched transport"),
 ])
 def test_bad_combinations(argv: list[str], message: str,
@@ -566,6 +567,40 @@ def test_rate_against_raw_windows_on_two_ranks(transport: str, handlers: bool,
 # -- the asyncio floor beside mate (mate-bench pingpong --floor) ----------------------------------
 
 
+async def test_the_rate_floor_poller_resolves_each_future_when_its_request_completes() -> None:
+    """`_Poller` (the rate floor's one Testsome callback) under a made-up MPI whose
+    requests complete in random order: each future resolves once, at its own request's
+    completion, whatever the swaps of its O(1) removal did to the order."""
+    from mate.bench.patterns import _Poller
+
+    rng = random.Random(7)
+
+    class Request:
+        def __init__(self) -> None:
+            self.done = False
+
+    class MPI:
+        class Request:
+            @staticmethod
+            def Testsome(requests: list[Request]) -> list[int]:
+                for request in requests:  # a few complete in every pass
+                    request.done = request.done or rng.random() < 0.3
+                done = [i for i, r in enumerate(requests) if r.done]
+                rng.shuffle(done)
+                return done
+
+    poller = _Poller(MPI)
+    requests = [Request() for _ in range(40)]
+    futures = [poller.wait(r) for r in requests]
+    resolved: list[tuple[int, bool]] = []  # (request, whether it had completed)
+    for i, future in enumerate(futures):
+        future.add_done_callback(lambda f, i=i: resolved.append((i, requests[i].done)))
+        assert not future.done()
+    await asyncio.wait_for(asyncio.gather(*futures), 5)
+    assert sorted(resolved) == [(i, True) for i in range(40)]
+    assert all(r.done for r in requests) and poller.requests == poller.futures == []
+
+
 def test_floor_columns_and_ratio() -> None:
     mate = Measurement(8, (Sample(100, 0.003, 0.01),), divisor=2)  # 15 us
     floor = Measurement(8, (Sample(100, 0.001, 0.01),), divisor=2)  # 5 us
@@ -601,7 +636,7 @@ def test_floor_peak_and_n_half_in_the_summary() -> None:
     assert "floor_n_half" not in no_floor and "floor_peak_bandwidth_MBps" not in no_floor
 
 
-@pytest.mark.parametrize("pattern", ["pingpong", "pingping"])
+@pytest.mark.parametrize("pattern", ["pingpong", "pingping", "rate"])
 def test_floor_measured_in_the_same_run_on_two_ranks(tmp_path: Path, pattern: str) -> None:
     path = tmp_path / "pp.json"
     env = {k: v for k, v in os.environ.items() if k != cli.PROGRESS_ENV}

@@ -94,9 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", action="store_true",
                         help="also measure raw mpi4py in the same run (mpi only)")
     parser.add_argument("--floor", action="store_true",
-                        help="pingpong, pingping: also measure the asyncio (or uvloop) floor in "
-                             "the same run: mpi4py requests awaited through loop callbacks, "
-                             "no mate")
+                        help="pingpong, pingping, rate: also measure the asyncio (or uvloop) "
+                             "floor in the same run: mpi4py requests awaited through loop "
+                             "callbacks, no mate")
     parser.add_argument("--idle", type=non_negative, default=1.0, metavar="S",
                         help="wait pattern: how long rank 1 waits before sending (default 1)")
     parser.add_argument("--window", type=positive_int, metavar="W",
@@ -131,7 +131,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--wait submission: {args.pattern} has no submission event "
                      f"(only {', '.join(SUBMISSION_PATTERNS)} do)")
     if args.floor and args.pattern not in FLOOR_PATTERNS:
-        parser.error(f"--floor applies to the {' and '.join(FLOOR_PATTERNS)} patterns only")
+        parser.error(f"--floor applies to the {', '.join(FLOOR_PATTERNS)} patterns only")
     if args.pattern != "rate" and (args.window is not None or args.handlers):
         parser.error("--window and --handlers apply to the rate pattern only")
     if args.rma is not None and args.pattern not in ("put", "get"):

@@ -47,7 +47,7 @@ class Options:
     idle: float = 1.0  # the wait pattern: how long rank 0 waits
     window: int = DEFAULT_WINDOW  # the rate pattern: messages per window
     handler_driven: bool = False  # the rate pattern: rank 1 reposts from handlers
-    floor: bool = False  # pingpong, pingping: also measure the asyncio floor (needs MPI)
+    floor: bool = False  # pingpong, pingping, rate: also measure the asyncio floor (needs MPI)
     show_progress: bool = False
     uvloop: bool = False
 
@@ -187,7 +187,7 @@ async def run_launched(opts: Options) -> Result | None:
         bench = _mate_bench(opts, world)
         raw = (RawBench(opts.pattern, opts.wait, opts.sweep, opts.idle, opts.window)
                if opts.baseline else None)
-        floor = FloorBench(opts.pattern, opts.sweep) if opts.floor else None
+        floor = FloorBench(opts.pattern, opts.sweep, opts.window) if opts.floor else None
         await bench.setup()
         if raw is not None:
             raw.setup()

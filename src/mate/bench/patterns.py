@@ -5,14 +5,16 @@ Rank 0 measures, rank 1 serves. Each size is a *phase*: rank 0 runs batches
 size) and acknowledged, so that the clock starts with both ranks ready; a
 header with 0 iterations ends the phase. With a baseline, every size has a
 mate phase followed by a raw phase, so that both see the same machine state;
-with the floor (pingpong only), a floor phase follows them.
+with the floor, a floor phase follows them.
 
 The floor (`FloorBench`) is the least an asyncio program pays to await MPI
-requests: the same ping-pong with mpi4py's ``Irecv``/``Issend``, each request
+requests: the same pattern with mpi4py's ``Irecv``/``Issend``, each request
 awaited through a loop callback that tests it and resolves a future, as any
 asyncio integration of MPI must, with no mate code involved. It runs on the
 event loop the benchmark runs on (asyncio, or uvloop with ``--uvloop``), and
-bounds from below what anything built on asyncio futures can reach here.
+bounds from below what anything built on asyncio futures can reach here. For
+the rate pattern, whose window holds many requests at once, one callback
+tests them all with ``Testsome`` (`_Poller`), the cheapest way to await many.
 
 Per iteration, rank 0 (rank 1 mirrors the two-sided patterns):
 
@@ -54,7 +56,7 @@ from mate.bench.measure import Batch, Sample, clock
 
 PATTERNS = ("pingpong", "pingping", "put", "get", "wait", "rate")
 SUBMISSION_PATTERNS = ("pingpong", "pingping", "put")  # send and put have a submission
-FLOOR_PATTERNS = ("pingpong", "pingping")  # what the asyncio floor (--floor) is measured for
+FLOOR_PATTERNS = ("pingpong", "pingping", "rate")  # what the asyncio floor (--floor) measures
 DEFAULT_WINDOW = 64  # the rate pattern's messages per window (OSU's default)
 
 DATA_TAG = 1
@@ -502,20 +504,55 @@ async def await_request(request: Any) -> None:
     await future
 
 
-class FloorBench(_MpiPhases):
-    """One rank's side of the floor ping-pong or ping-ping, on a communicator of its own:
-    the pattern mate's runs (receive posted first, the send then the receive awaited),
-    each request awaited through loop callbacks."""
+class _Poller:
+    """Await many MPI requests through one loop callback: it runs ``Testsome`` over all
+    that are outstanding and resolves the futures of those that completed, again while
+    a call completes some (MPICH takes in one message per call), and comes back while
+    any are left."""
 
-    def __init__(self, pattern: str, sizes: list[int]) -> None:
+    def __init__(self, MPI: Any) -> None:
+        self.testsome = MPI.Request.Testsome
+        self.loop = asyncio.get_running_loop()
+        self.requests: list[Any] = []
+        self.futures: list[asyncio.Future[None]] = []
+
+    def wait(self, request: Any) -> asyncio.Future[None]:
+        future = self.loop.create_future()
+        if not self.requests:
+            self.loop.call_soon(self._test)
+        self.requests.append(request)
+        self.futures.append(future)
+        return future
+
+    def _test(self) -> None:
+        requests, futures = self.requests, self.futures
+        while requests and (done := self.testsome(requests)):
+            for index in sorted(done, reverse=True):
+                futures[index].set_result(None)
+                # Remove in O(1): the last entry takes the finished one's place.
+                last_request, last_future = requests.pop(), futures.pop()
+                if index < len(requests):
+                    requests[index], futures[index] = last_request, last_future
+        if requests:
+            self.loop.call_soon(self._test)
+
+
+class FloorBench(_MpiPhases):
+    """One rank's side of the floor ping-pong, ping-ping or rate, on a communicator of
+    its own: the pattern mate's runs (in a ping, the receive posted first, the send
+    then the receive awaited), each request awaited through loop callbacks."""
+
+    def __init__(self, pattern: str, sizes: list[int], window: int = DEFAULT_WINDOW) -> None:
         super().__init__(sizes)
         self.pattern = pattern
+        self.window = window
 
     def teardown(self) -> None:
         self.comm.Free()
 
     def batch(self, size: int) -> Batch:
         comm, out, into = self.comm, self.buffers.outs[size], self.buffers.intos[size]
+        window, acknowledgement = self.window, self.ack
 
         async def timed(n: int) -> Sample:
             self._start(n, size)
@@ -524,15 +561,35 @@ class FloorBench(_MpiPhases):
                 await _floor_exchange(comm, out, into, 1)
             return Sample.since(n, start)
 
-        return timed
+        async def rate(n: int) -> Sample:
+            poller = _Poller(self.MPI)
+            issend, irecv, wait = comm.Issend, comm.Irecv, poller.wait
+            self._start(n, size)
+            start = clock()
+            for _ in range(n):
+                acknowledged = wait(irecv(acknowledgement, 1, WINDOW_TAG))
+                sends = [wait(issend(out, 1, DATA_TAG)) for _ in range(window)]
+                for future in sends:
+                    await future
+                await acknowledged
+            return Sample.since(n, start)
+
+        return rate if self.pattern == "rate" else timed
 
     async def serve_phase(self) -> None:
         comm = self.comm
+        poller = _Poller(self.MPI)
         while (batch := self._next_batch()) is not None:
             n, out, into = batch
             for _ in range(n):
                 if self.pattern == "pingping":  # rank 0's loop, mirrored
                     await _floor_exchange(comm, out, into, 0)
+                elif self.pattern == "rate":
+                    receives = [poller.wait(comm.Irecv(into, 0, DATA_TAG))
+                                for _ in range(self.window)]
+                    for future in receives:
+                        await future
+                    await poller.wait(comm.Issend(self.ack, 0, WINDOW_TAG))
                 else:
                     await await_request(comm.Irecv(into, 0, DATA_TAG))
                     await await_request(comm.Issend(out, 0, DATA_TAG))

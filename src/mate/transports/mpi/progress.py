@@ -100,6 +100,11 @@ class Entry:
         self.receive = receive  # receives are the only requests ever cancelled
         self.index = -1  # position in the live or the orphan list
 
+#: What one Testsome found: the entries whose requests completed, with their statuses,
+#: and the error it raised (MPI_ERR_IN_STATUS), if any.
+_Finished = tuple[list[tuple[Entry, MPI.Status]], "MPI.Exception | None"]
+
+
 class _Requests:
     """Requests with their entries, in posting order.
 
@@ -113,6 +118,7 @@ class _Requests:
         self.requests: list[MPI.Request] = []
         self.entries: list[Entry | None] = []  # None at a hole
         self.first = 0  # the oldest request's index: only holes before it
+        self.changed = True  # a request came or went (the engine lists its front again)
         self._count = 0
 
     def __len__(self) -> int:
@@ -127,6 +133,7 @@ class _Requests:
         self.requests.append(entry.request)
         self.entries.append(entry)
         self._count += 1
+        self.changed = True
 
     def remove(self, entry: Entry) -> None:
         i = entry.index
@@ -134,6 +141,7 @@ class _Requests:
         self.entries[i] = None
         entry.index = -1
         self._count -= 1
+        self.changed = True
         if i == self.first:
             entries, first, end = self.entries, i + 1, len(self.entries)
             while first < end and entries[first] is None:
@@ -196,6 +204,11 @@ class Engine:
         # Scratch for Testsome (mpi4py lengthens it as needed), kept from pass to
         # pass so that a message makes no Status of its own before it completes.
         self._statuses: list[MPI.Status] = []
+        # What a pass tests first (see _test_live): the user's oldest requests, from
+        # index _front_first, _front_size of them, then the transport's own.
+        self._front: list[MPI.Request] = []
+        self._front_first = self._front_size = 0
+        self._front_whole = True  # the front holds every user request
         # Work handed to the progress context: (function, args, owner).
         self._inbox: list[tuple[Callable[..., None], tuple[Any, ...], Any]] = []
         self._after_pass: list[tuple[Callable[[], None], Any]] = []
@@ -297,17 +310,12 @@ class Engine:
             self._guarded(owner, fn, *args)
         moved = bool(inbox)
         if self._live or self._standing:
-            finished, error = self._test_live()
-            if finished:
-                moved = True
-                if self._hot_spot is not None:
-                    self._hot_spot("mpi.pass")
-                self._run_actions(finished, error)
+            moved = self._test_live() or moved
         if self._orphans and time.monotonic() >= self._next_orphan_test:
             self._next_orphan_test = time.monotonic() + ORPHAN_INTERVAL
             orphans = self._orphans
-            finished, error = self._testsome(orphans, orphans.first, len(orphans.requests))
-            self._run_actions(finished, error)
+            requests = orphans.requests[orphans.first:]
+            self._complete(self._testsome(requests, orphans, orphans.first, len(requests)))
         if self._after_pass:
             hooks, self._after_pass = self._after_pass, []
             for fn, owner in hooks:
@@ -317,35 +325,42 @@ class Engine:
             self.backoff.moved()
         return moved
 
-    def _test_live(self) -> tuple[list[tuple[Entry, MPI.Status]], MPI.Exception | None]:
-        """Test the transport's own requests and the user's oldest `FRONT`; if none of
-        those completed, or every `WHOLE_EVERY` passes, the rest of the user's too.
+    def _test_live(self) -> bool:
+        """Test the oldest `FRONT` user requests and the transport's own; if none of
+        those completed, or every `WHOLE_EVERY` passes, all the user's. True if any did.
 
         `MPI_Testsome` costs mpi4py O(n) for n requests, and MPICH takes in one
         message per call, so testing a window of n messages whole in every pass
         would cost O(n) a message. MPI matches in order, so a window completes
         from its front: a pass tests the front, and the rest only when the front
         did not move (a late pass finds nothing else) or often enough that a
-        request completing out of order waits at most `WHOLE_EVERY` passes.
+        request completing out of order waits at most `WHOLE_EVERY` passes. The
+        front's list is made again only when a request comes or goes, so that
+        an idle pass allocates nothing.
         """
-        live = self._live
-        lo, end = live.first, len(live.requests)
-        hi = end if self.passes % WHOLE_EVERY == 0 else min(lo + FRONT, end)
-        finished, error = self._testsome(live, lo, hi, self._standing)
-        if not finished and hi < end:
-            finished, error = self._testsome(live, hi, end)
-        return finished, error
+        live, standing = self._live, self._standing
+        if live.changed or standing.changed:
+            live.changed = standing.changed = False
+            first = live.first
+            front = live.requests[first:first + FRONT]
+            self._front_first, self._front_size = first, len(front)
+            self._front_whole = first + len(front) == len(live.requests)
+            self._front = front + standing.requests
+        moved = self._complete(self._testsome(self._front, live, self._front_first,
+                                              self._front_size, standing))
+        if not self._front_whole and (not moved or self.passes % WHOLE_EVERY == 0):
+            # Behind the front; or, if requests went (the list may have been compacted),
+            # everything from the oldest on.
+            first = live.first if moved else self._front_first + self._front_size
+            requests = live.requests[first:]
+            moved = self._complete(self._testsome(requests, live, first, len(requests))) or moved
+        return moved
 
-    def _testsome(self, group: _Requests, lo: int, hi: int, also: _Requests | None = None
-                  ) -> tuple[list[tuple[Entry, MPI.Status]], MPI.Exception | None]:
-        """Testsome over `group`'s requests lo:hi (and all of `also`'s, in the same call):
-        the entries whose requests completed, now removed, with their statuses."""
-        requests = group.requests[lo:hi]
-        entries: list[Entry | None] = group.entries[lo:hi]
-        own = len(requests)  # the first `own` are group's, the rest also's
-        if also:
-            requests += also.requests
-            entries += also.entries
+    def _testsome(self, requests: list[MPI.Request], group: _Requests, first: int, size: int,
+                  also: _Requests | None = None) -> _Finished:
+        """Testsome over `requests`: the first `size` are `group`'s from index `first` on,
+        the rest all of `also`'s. The entries whose requests completed (now removed),
+        with their statuses."""
         statuses = self._statuses
         try:
             done = MPI.Request.Testsome(requests, statuses)
@@ -354,25 +369,33 @@ class Engine:
             # MPI_ERR_IN_STATUS (e.g. a truncated receive): the index list is lost, but
             # the completed requests were set to MPI_REQUEST_NULL (as the holes are),
             # and MPICH and Open MPI both report completions in ascending index order.
-            done = [i for i, r in enumerate(requests)
-                    if r == MPI.REQUEST_NULL and entries[i] is not None]
+            done = [i for i, r in enumerate(requests) if r == MPI.REQUEST_NULL]
             error = exc
         if not done:
             return [], None
-        # Testsome's k-th status belongs to its k-th index, not to request k.
+        # Every entry is found before any is removed: a removal may compact `group`.
+        found = [(group, group.entries[first + i]) if i < size or also is None
+                 else (also, also.entries[i - size]) for i in done]
+        # Testsome's k-th status belongs to its k-th completion (holes are none).
         finished: list[tuple[Entry, MPI.Status]] = []
-        for k, i in enumerate(done):
-            entry = entries[i]
-            assert entry is not None  # Testsome skips the holes
-            finished.append((entry, MPI.Status(statuses[k])))
-            (group if i < own or also is None else also).remove(entry)
+        for (owner, entry), status in zip(
+                [(owner, entry) for owner, entry in found if entry is not None], statuses,
+                strict=False):
+            owner.remove(entry)
+            finished.append((entry, MPI.Status(status)))
         return finished, error
 
-    def _run_actions(self, finished: list[tuple[Entry, MPI.Status]],
-                     error: MPI.Exception | None) -> None:
+    def _complete(self, tested: _Finished) -> bool:
+        """Run the actions of what a Testsome found; True if it found anything."""
+        finished, error = tested
+        if not finished:
+            return False
+        if self._hot_spot is not None:
+            self._hot_spot("mpi.pass")
         for entry, status in finished:
             failed = error if error is not None and status.Get_error() != MPI.SUCCESS else None
             self._guarded(entry.owner, entry.action, entry.owner, status, failed)
+        return True
 
     def _guarded(self, owner: Any, fn: Callable[..., None], *args: Any) -> None:
         try:

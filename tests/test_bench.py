@@ -570,22 +570,27 @@ def test_rate_against_raw_windows_on_two_ranks(transport: str, handlers: bool,
 async def test_the_rate_floor_poller_resolves_each_future_when_its_request_completes() -> None:
     """`_Poller` (the rate floor's one Testsome callback) under a made-up MPI whose
     requests complete in random order: each future resolves once, at its own request's
-    completion, whatever the swaps of its O(1) removal did to the order."""
+    completion, whether the front or the whole list found it."""
     from mate.bench.patterns import _Poller
 
     rng = random.Random(7)
 
     class Request:
         def __init__(self) -> None:
-            self.done = False
+            self.done = self.reported = False
 
     class MPI:
         class Request:
             @staticmethod
-            def Testsome(requests: list[Request]) -> list[int]:
-                for request in requests:  # a few complete in every pass
-                    request.done = request.done or rng.random() < 0.3
-                done = [i for i, r in enumerate(requests) if r.done]
+            def Testsome(requests: list[Request]) -> list[int] | None:
+                active = [i for i, r in enumerate(requests) if not r.reported]
+                if not active:
+                    return None  # MPI_UNDEFINED: no active request
+                for i in active:  # a few complete in every call
+                    requests[i].done = requests[i].done or rng.random() < 0.3
+                done = [i for i in active if requests[i].done]
+                for i in done:  # as in MPI, a completed request is inactive from then on
+                    requests[i].reported = True
                 rng.shuffle(done)
                 return done
 
@@ -599,6 +604,7 @@ async def test_the_rate_floor_poller_resolves_each_future_when_its_request_compl
     await asyncio.wait_for(asyncio.gather(*futures), 5)
     assert sorted(resolved) == [(i, True) for i in range(40)]
     assert all(r.done for r in requests) and poller.requests == poller.futures == []
+    assert poller.oldest == 0
 
 
 def test_floor_columns_and_ratio() -> None:

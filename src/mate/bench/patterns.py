@@ -58,6 +58,7 @@ PATTERNS = ("pingpong", "pingping", "put", "get", "wait", "rate")
 SUBMISSION_PATTERNS = ("pingpong", "pingping", "put")  # send and put have a submission
 FLOOR_PATTERNS = ("pingpong", "pingping", "rate")  # what the asyncio floor (--floor) measures
 DEFAULT_WINDOW = 64  # the rate pattern's messages per window (OSU's default)
+FRONT = 4  # the floor tests the oldest requests first, as mate.transports.mpi.progress does
 
 DATA_TAG = 1
 CONTROL_TAG = 2
@@ -505,16 +506,17 @@ async def await_request(request: Any) -> None:
 
 
 class _Poller:
-    """Await many MPI requests through one loop callback: it runs ``Testsome`` over all
-    that are outstanding and resolves the futures of those that completed, again while
-    a call completes some (MPICH takes in one message per call), and comes back while
-    any are left."""
+    """Await many MPI requests through one loop callback, testing them as mate's engine
+    does: ``Testsome`` over the oldest `FRONT` outstanding, over all of them when
+    those did not move; again while a call completes some (MPICH takes in one message
+    per call); and back on the next turn of the loop while any are left."""
 
     def __init__(self, MPI: Any) -> None:
         self.testsome = MPI.Request.Testsome
         self.loop = asyncio.get_running_loop()
-        self.requests: list[Any] = []
+        self.requests: list[Any] = []  # in posting order, completed ones included ...
         self.futures: list[asyncio.Future[None]] = []
+        self.oldest = 0  # ... until every one before this has completed
 
     def wait(self, request: Any) -> asyncio.Future[None]:
         future = self.loop.create_future()
@@ -525,16 +527,22 @@ class _Poller:
         return future
 
     def _test(self) -> None:
-        requests, futures = self.requests, self.futures
-        while requests and (done := self.testsome(requests)):
-            for index in sorted(done, reverse=True):
-                futures[index].set_result(None)
-                # Remove in O(1): the last entry takes the finished one's place.
-                last_request, last_future = requests.pop(), futures.pop()
-                if index < len(requests):
-                    requests[index], futures[index] = last_request, last_future
-        if requests:
+        requests, futures, testsome = self.requests, self.futures, self.testsome
+        while self.oldest < len(requests):
+            oldest = self.oldest
+            done = testsome(requests[oldest:oldest + FRONT]) or testsome(requests[oldest:])
+            if not done:
+                break
+            for index in done:
+                futures[oldest + index].set_result(None)
+            while self.oldest < len(futures) and futures[self.oldest].done():
+                self.oldest += 1
+        if self.oldest < len(requests):
             self.loop.call_soon(self._test)
+        else:
+            requests.clear()
+            futures.clear()
+            self.oldest = 0
 
 
 class FloorBench(_MpiPhases):

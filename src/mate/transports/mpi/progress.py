@@ -4,7 +4,7 @@ MPI has no completion callbacks, so someone must test requests (thesis §5.2).
 The `Engine` keeps every outstanding request with an *action* to run when it
 completes, and one `test()` pass runs `MPI_Testsome` over them: the transport's
 own requests and the oldest user requests in every pass, all of them when
-those did not move (`Engine._test_live`). Who runs passes, and when, is the
+those stop moving and every few passes (`Engine._test_live`). Who runs passes, and when, is the
 progress mode, each a small strategy of its own sharing one `Backoff`:
 
 * `PollProgress` (``poll``): a callback on the event loop, rescheduled with
@@ -82,7 +82,7 @@ IDLE_INTERVAL = 0.005  # pause between passes when only standing receives are ou
 ORPHAN_INTERVAL = 0.05  # how often orphaned sends are tested (so MPI can free them)
 STAND_BACK = 2 * SLICE  # a progress thread leaves passes to a loop that ran one this recently
 FRONT = 4  # the oldest user requests, tested in every pass (Engine._test_live) ...
-WHOLE_EVERY = 8  # ... and all of them when those did not move, or every this many passes
+WHOLE_EVERY = 8  # ... and all of them when those stop moving, and every this many passes
 COMPACT_SLACK = 16  # holes a request list may hold beyond as many as its requests
 
 
@@ -209,6 +209,8 @@ class Engine:
         self._front: list[MPI.Request] = []
         self._front_first = self._front_size = 0
         self._front_whole = True  # the front holds every user request
+        self._live_moved = False  # whether the last pass found a completion
+        self._back_tested = 0  # the pass that last tested the requests behind the front
         # Work handed to the progress context: (function, args, owner).
         self._inbox: list[tuple[Callable[..., None], tuple[Any, ...], Any]] = []
         self._after_pass: list[tuple[Callable[[], None], Any]] = []
@@ -326,17 +328,20 @@ class Engine:
         return moved
 
     def _test_live(self) -> bool:
-        """Test the oldest `FRONT` user requests and the transport's own; if none of
-        those completed, or every `WHOLE_EVERY` passes, all the user's. True if any did.
+        """Test the oldest `FRONT` user requests and the transport's own, and now and
+        then the user's requests behind them. True if any completed.
 
         `MPI_Testsome` costs mpi4py O(n) for n requests, and MPICH takes in one
         message per call, so testing a window of n messages whole in every pass
         would cost O(n) a message. MPI matches in order, so a window completes
-        from its front: a pass tests the front, and the rest only when the front
-        did not move (a late pass finds nothing else) or often enough that a
-        request completing out of order waits at most `WHOLE_EVERY` passes. The
-        front's list is made again only when a request comes or goes, so that
-        an idle pass allocates nothing.
+        from its front: every pass tests the front, and the b requests behind it
+        are tested when the front stops moving (what completed out of order
+        meanwhile is found at once) or `WHOLE_EVERY` passes after they last were,
+        but never sooner than b / `FRONT` passes after that, so that testing them
+        costs a pass no more than the front does, whatever the window. A request
+        that completes out of order waits at most max(`WHOLE_EVERY`, b / `FRONT`)
+        passes. The front's list is made again only when a request comes or goes,
+        so that an idle pass allocates nothing.
         """
         live, standing = self._live, self._standing
         if live.changed or standing.changed:
@@ -348,12 +353,16 @@ class Engine:
             self._front = front + standing.requests
         moved = self._complete(self._testsome(self._front, live, self._front_first,
                                               self._front_size, standing))
-        if not self._front_whole and (not moved or self.passes % WHOLE_EVERY == 0):
-            # Behind the front; or, if requests went (the list may have been compacted),
-            # everything from the oldest on.
-            first = live.first if moved else self._front_first + self._front_size
+        stopped, since = self._live_moved and not moved, self.passes - self._back_tested
+        # Behind the front; or, if requests went (the list may have been compacted),
+        # everything from the oldest on.
+        first = live.first if moved else self._front_first + self._front_size
+        if (not self._front_whole and since * FRONT > len(live.requests) - first
+                and (stopped or since >= WHOLE_EVERY)):
+            self._back_tested = self.passes
             requests = live.requests[first:]
             moved = self._complete(self._testsome(requests, live, first, len(requests))) or moved
+        self._live_moved = moved
         return moved
 
     def _testsome(self, requests: list[MPI.Request], group: _Requests, first: int, size: int,

@@ -3,9 +3,9 @@
 MPI has no completion callbacks, so someone must test requests (thesis §5.2).
 The `Engine` keeps every outstanding request with an *action* to run when it
 completes, and one `test()` pass runs `MPI_Testsome` over them: the transport's
-own requests and the oldest user requests in every pass, all of them when
-those stop moving and every few passes (`Engine._test_live`). Who runs passes, and when, is the
-progress mode, each a small strategy of its own sharing one `Backoff`:
+own requests and the oldest user requests in every pass, the others now and
+then (`Engine._test_live`). Who runs passes, and when, is the progress mode,
+each a small strategy of its own sharing one `Backoff`:
 
 * `PollProgress` (``poll``): a callback on the event loop, rescheduled with
   `call_soon` while user messages are outstanding (lowest latency), which runs
@@ -98,7 +98,8 @@ class Entry:
         self.owner = owner  # what the action is about: failed if the action raises
         self.standing = standing  # the transport's own, not a user message
         self.receive = receive  # receives are the only requests ever cancelled
-        self.index = -1  # position in the live or the orphan list
+        self.index = -1  # position in its request list (`_Requests`)
+
 
 #: What one Testsome found: the entries whose requests completed, with their statuses,
 #: and the error it raised (MPI_ERR_IN_STATUS), if any.
@@ -385,13 +386,12 @@ class Engine:
         # Every entry is found before any is removed: a removal may compact `group`.
         found = [(group, group.entries[first + i]) if i < size or also is None
                  else (also, also.entries[i - size]) for i in done]
-        # Testsome's k-th status belongs to its k-th completion (holes are none).
         finished: list[tuple[Entry, MPI.Status]] = []
-        for (owner, entry), status in zip(
-                [(owner, entry) for owner, entry in found if entry is not None], statuses,
-                strict=False):
-            owner.remove(entry)
-            finished.append((entry, MPI.Status(status)))
+        for owner, entry in found:
+            if entry is not None:  # None: a hole, which only the error's list holds
+                owner.remove(entry)
+                # Testsome's k-th status belongs to its k-th completion.
+                finished.append((entry, MPI.Status(statuses[len(finished)])))
         return finished, error
 
     def _complete(self, tested: _Finished) -> bool:

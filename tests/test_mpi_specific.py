@@ -420,3 +420,36 @@ async def test_a_window_of_messages_completes_in_a_few_loop_callbacks(fabric: Fa
 
     async with fabric.open() as group:
         await group.run(program)
+
+
+@pytest.mark.skipif(THREADED, reason="calls the engine from the loop's thread: its progress context")
+async def test_a_receive_is_cancelled_once_however_often_asked(fabric: Fabric) -> None:
+    """MPICH's ch4 device corrupts a request made between two MPI_Cancel calls on one
+    wildcard receive. A receive whose cancel is asked again before a pass has tested it
+    (a timeout's cancel, then shutdown's of every receive) is cancelled once: the
+    request made in between, and the barrier after, still work."""
+    from mpi4py import MPI
+
+    async def program(world: mate.World) -> None:
+        engine = world.transport.engine  # type: ignore[attr-defined]
+        comm = MPI.COMM_WORLD.Dup()
+        peer = (world.mypid + 1) % world.numprocs
+        seen: list[bool] = []
+        entry = engine.add(comm.Irecv(bytearray(8), MPI.ANY_SOURCE, 41),
+                           lambda owner, status, error: seen.append(status.Is_cancelled()),
+                           receive=True)
+        engine.cancel(entry)  # a timeout's cancel ...
+        between = comm.Irecv(bytearray(8), peer, 42)  # ... a request made before any pass ...
+        engine.cancel_receives(standing=False)  # ... and shutdown's cancel of every receive
+        while not seen:
+            engine.test()
+            await asyncio.sleep(0)
+        assert seen == [True]
+        comm.Send(bytes(8), peer, 42)
+        between.Wait()
+        comm.Ibarrier().Wait()  # a request made later: what corrupted ones fail on
+        comm.Free()
+        await barrier(world)
+
+    async with fabric.open() as group:
+        await group.run(program)

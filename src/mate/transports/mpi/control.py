@@ -237,11 +237,11 @@ class ControlChannel:
         return self._engine.add(request, action, owner=owner, standing=True)
 
     def recv(self, buffer: Any, source: int, tag: int, action: Action, *,
-             owner: Any = None, standing: bool = True) -> MPI.Request:
-        """Receive into `buffer`; `standing=False` when a user message waits on it."""
+             owner: Any = None, standing: bool = True) -> Entry:
+        """Receive into `buffer`; `standing=False` when a user message waits on it. The
+        returned entry lets the engine `cancel` it."""
         request = self.comm.Irecv(buffer, source, tag)
-        self._engine.add(request, action, owner=owner, standing=standing, receive=True)
-        return request
+        return self._engine.add(request, action, owner=owner, standing=standing, receive=True)
 
     def _arrived(self, _owner: None, status: MPI.Status, error: MPI.Exception | None) -> None:
         if status.Is_cancelled():

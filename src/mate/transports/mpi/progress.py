@@ -89,7 +89,7 @@ COMPACT_SLACK = 16  # holes a request list may hold beyond as many as its reques
 class Entry:
     """What the engine knows of one outstanding request."""
 
-    __slots__ = ("action", "index", "owner", "receive", "request", "standing")
+    __slots__ = ("action", "cancelled", "index", "owner", "receive", "request", "standing")
 
     def __init__(self, request: MPI.Request, action: Action, owner: Any, standing: bool,
                  receive: bool) -> None:
@@ -97,7 +97,8 @@ class Entry:
         self.action = action
         self.owner = owner  # what the action is about: failed if the action raises
         self.standing = standing  # the transport's own, not a user message
-        self.receive = receive  # receives are the only requests ever cancelled
+        self.receive = receive  # receives are the only requests ever cancelled ...
+        self.cancelled = False  # ... and only once (Engine.cancel)
         self.index = -1  # position in its request list (`_Requests`)
 
 
@@ -436,12 +437,23 @@ class Engine:
             if not self._inbox and not self._live and not self._standing:
                 return
 
+    def cancel(self, entry: Entry) -> None:
+        """Cancel an outstanding receive, once however often asked (progress context only).
+
+        MPICH's ch4 device corrupts a request made between two MPI_Cancel calls on
+        one wildcard receive, so a receive whose cancel was asked again before a
+        pass tested it (a timeout's, then shutdown's) must not be cancelled again.
+        """
+        if entry.receive and not entry.cancelled and entry.index >= 0:  # still outstanding
+            entry.cancelled = True
+            entry.request.Cancel()
+
     def cancel_receives(self, *, standing: bool) -> None:
         """Cancel the outstanding user receives (and the standing ones if `standing`)."""
         for group in (self._live, self._standing) if standing else (self._live,):
             for entry in group.entries:
-                if entry is not None and entry.receive:
-                    entry.request.Cancel()
+                if entry is not None:
+                    self.cancel(entry)
 
     def disown(self, entry: Entry) -> bool:
         """Move a live request to the orphans (tested rarely, so MPI can free it).

@@ -28,13 +28,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from mpi4py import MPI
-
 from mate.errors import FailureReason
 from mate.schedule import Op, Region
 from mate.transports.base import Operation
 from mate.transports.mpi.control import Control, ControlChannel
-from mate.transports.mpi.progress import Engine
+from mate.transports.mpi.progress import Engine, Entry
 from mate.transports.mpi.reports import Reporter
 
 CallOnLoop = Callable[..., None]
@@ -43,7 +41,7 @@ CallOnLoop = Callable[..., None]
 class RmaOp:
     """The transport's state for one put or get (the operation's `transport_data`)."""
 
-    __slots__ = ("abandoned", "copied", "data", "ended", "request", "submitted", "waiting")
+    __slots__ = ("abandoned", "copied", "data", "ended", "receive", "submitted", "waiting")
 
     def __init__(self, op: Operation, *, copy: bool) -> None:
         self.copied = copy  # works on `data`, not the user's buffer: can be abandoned
@@ -57,7 +55,7 @@ class RmaOp:
         self.submitted = False
         self.ended = False  # its terminal outcome was reported
         self.abandoned = False  # timed out or cancelled: whatever happens next is ignored
-        self.request: MPI.Request | None = None  # emulated get: the data's receive
+        self.receive: Entry | None = None  # emulated get: the data's receive
 
     @property
     def live(self) -> bool:

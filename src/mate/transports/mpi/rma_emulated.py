@@ -55,7 +55,7 @@ class EmulatedRma(Rma):
         self.drained: dict[Region, asyncio.Future[None]] = {}
         # Target side: transfers that hold a region until the origin's next step, by
         # (origin, its reply tag): the region, and the send (get) or receive (put).
-        self.serving: dict[tuple[int, int], tuple[Region, Entry | MPI.Request]] = {}
+        self.serving: dict[tuple[int, int], tuple[Region, Entry]] = {}
 
     # -- origin side ---------------------------------------------------------------------
 
@@ -66,7 +66,7 @@ class EmulatedRma(Rma):
         state = op.transport_data = RmaOp(op, copy=eager or op.deadline is not None)
         if op.op is Op.GET:
             self.gets[tag] = op
-            state.request = self.control.recv(
+            state.receive = self.control.recv(
                 state.data, op.peer, tag,
                 lambda _op, status, error: self.got(op, tag, status, error), owner=op,
                 standing=False)
@@ -87,7 +87,7 @@ class EmulatedRma(Rma):
 
     def got(self, op: Operation, tag: int, status: MPI.Status,
             error: MPI.Exception | None) -> None:
-        op.transport_data.request = None
+        op.transport_data.receive = None
         if self.gets.pop(tag, None) is None:  # refused: the receive was cancelled
             self.refuse(op)
         elif status.Is_cancelled():  # by shutdown, before the data came
@@ -150,7 +150,7 @@ class EmulatedRma(Rma):
             self.engine.drive_until(future.done)
             await future
 
-    def hold(self, key: tuple[int, int], region: Region, transfer: Entry | MPI.Request) -> None:
+    def hold(self, key: tuple[int, int], region: Region, transfer: Entry) -> None:
         """`transfer` (a get's send, a put's receive) holds `region` until `served(key)`."""
         self.serving[key] = (region, transfer)
         with self.regions.lock:
@@ -175,8 +175,8 @@ class EmulatedRma(Rma):
     def on_control(self, source: int, message: Control) -> None:
         if isinstance(message, GetRefused):
             op = self.gets.pop(message.reply_tag, None)
-            if op is not None and op.transport_data.request is not None:
-                op.transport_data.request.Cancel()  # got() then reports the refusal
+            if op is not None and op.transport_data.receive is not None:
+                self.engine.cancel(op.transport_data.receive)  # got() reports the refusal
         elif isinstance(message, Get):
             found = self.regions.find(message.address, message.length)
             if found is None:
@@ -215,8 +215,8 @@ class EmulatedRma(Rma):
         held = self.serving.get(key)
         if held is None:
             return  # it ended already (or was never granted)
-        if isinstance(held[1], MPI.Request):
-            held[1].Cancel()  # a put's receive: `landed` runs once MPI settled it
+        if held[1].receive:
+            self.engine.cancel(held[1])  # a put's receive: `landed` runs once MPI settled it
         else:
             self.engine.disown(held[1])  # a get's send: never matched now
             self.served(key)

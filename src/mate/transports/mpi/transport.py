@@ -49,7 +49,7 @@ from mate.errors import FailureReason
 from mate.schedule import Op, Region
 from mate.transports.base import Operation, Sink, Transport
 from mate.transports.mpi.control import Control, ControlChannel
-from mate.transports.mpi.progress import Action, Engine
+from mate.transports.mpi.progress import Action, Engine, Entry
 from mate.transports.mpi.reports import Reporter
 from mate.transports.mpi.rma import Rma
 from mate.transports.mpi.rma_auto import AutoRma
@@ -196,8 +196,8 @@ class MpiTransport(Transport):
         except MPI.Exception as exc:
             self.fail_later(msg, FailureReason.TRANSPORT, f"MPI_Irecv: {exc}", exc)
             return
-        msg.transport_data = request
-        self.engine.add(request, self._on_recv_done, owner=msg, receive=True)
+        msg.transport_data = self.engine.add(request, self._on_recv_done, owner=msg,
+                                             receive=True)
 
     def _recv_done(self, msg: Operation, status: MPI.Status, error: MPI.Exception | None) -> None:
         msg.transport_data = None  # a cancel that comes now finds nothing left to cancel
@@ -225,8 +225,8 @@ class MpiTransport(Transport):
             self._hot_spot("mpi.cancel")
         if msg.op is Op.RECV:
             # None once the recv completed: its completion was reported, and wins.
-            if isinstance(msg.transport_data, MPI.Request):
-                msg.transport_data.Cancel()  # the recv then completes: cancelled, or matched
+            if isinstance(msg.transport_data, Entry):
+                self.engine.cancel(msg.transport_data)  # it then completes: cancelled, or matched
         elif msg.op is Op.SEND:
             # MPI_Cancel is not called on sends: MPICH's ch4 device cannot cancel
             # them and crashed when asked (see the module's docstring). A copied send

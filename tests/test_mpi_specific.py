@@ -422,7 +422,7 @@ async def test_a_window_of_messages_completes_in_a_few_loop_callbacks(fabric: Fa
         await group.run(program)
 
 
-@pytest.mark.skipif(THREADED, reason="calls the engine from the loop's thread: its progress context")
+@pytest.mark.skipif(THREADED, reason="calls the engine on the loop's thread: its progress context")
 async def test_a_receive_is_cancelled_once_however_often_asked(fabric: Fabric) -> None:
     """MPICH's ch4 device corrupts a request made between two MPI_Cancel calls on one
     wildcard receive. A receive whose cancel is asked again before a pass has tested it

@@ -751,13 +751,21 @@ def option_values(name: str) -> st.SearchStrategy[Arg]:
     seconds = st.one_of(st.floats(0, 1e9).map(lambda v: Arg(v, GOOD)),
                         st.sampled_from([t for t in TIMEOUTS
                                          if t.value not in (UNSET, None)]))
-    return {
-        "eager_limit": counts(0), "rma": choices("native", "emulated"), "eager_size": counts(0),
+    known = {
+        "eager_limit": counts(0), "rma": choices("auto", "native", "emulated"),
+        "rma_threshold": counts(0), "eager_size": counts(0),
         "orphan_limit": counts(1), "shutdown_timeout": seconds,
         "device": choices(None, "soft", "pyverbs"), "link": choices("unix", "tcp"),
         "credits": counts(2, 4096), "pin_limit": counts(1),
         "default_timeout": seconds,
-    }.get(name, st.just(Arg(1, BAD, "an unknown option")))
+    }
+    assert set(known) >= KNOWN_OPTIONS, f"no values for {KNOWN_OPTIONS - set(known)}"
+    return known.get(name, st.just(Arg(1, BAD, "an unknown option")))
+
+
+#: Every option a transport documents (mate.registry): `option_values` must know each,
+#: or the fuzz would take a new option for an unknown one and expect it refused.
+KNOWN_OPTIONS = {name for entry in mate.registry.TRANSPORTS.values() for name in entry.options}
 
 
 @st.composite

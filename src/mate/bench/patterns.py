@@ -58,7 +58,6 @@ PATTERNS = ("pingpong", "pingping", "put", "get", "wait", "rate")
 SUBMISSION_PATTERNS = ("pingpong", "pingping", "put")  # send and put have a submission
 FLOOR_PATTERNS = ("pingpong", "pingping", "rate")  # what the asyncio floor (--floor) measures
 DEFAULT_WINDOW = 64  # the rate pattern's messages per window (OSU's default)
-FRONT = 4  # the floor tests the oldest requests first, as mate.transports.mpi.progress does
 
 DATA_TAG = 1
 CONTROL_TAG = 2
@@ -512,6 +511,9 @@ class _Poller:
     per call); and back on the next turn of the loop while any are left."""
 
     def __init__(self, MPI: Any) -> None:
+        from mate.transports.mpi.progress import FRONT  # the engine's (it needs mpi4py)
+
+        self.front = FRONT
         self.testsome = MPI.Request.Testsome
         self.loop = asyncio.get_running_loop()
         self.requests: list[Any] = []  # in posting order, completed ones included ...
@@ -527,10 +529,10 @@ class _Poller:
         return future
 
     def _test(self) -> None:
-        requests, futures, testsome = self.requests, self.futures, self.testsome
+        requests, futures, testsome, front = self.requests, self.futures, self.testsome, self.front
         while self.oldest < len(requests):
             oldest = self.oldest
-            done = testsome(requests[oldest:oldest + FRONT]) or testsome(requests[oldest:])
+            done = testsome(requests[oldest:oldest + front]) or testsome(requests[oldest:])
             if not done:
                 break
             for index in done:

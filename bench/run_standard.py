@@ -291,7 +291,8 @@ def write_summary(out: Path, results: dict[str, dict[str, Any]], settings: str,
         "",
         "Latency: pingpong = half the round trip; pingping = time per exchange; put/get = "
         "time per operation to completion. Bandwidth = size / latency (MB = 10⁶ B). "
-        "Median of repetitions; MATE and raw mpi4py interleaved per size in the same run. "
+        "Median of repetitions; MATE, raw mpi4py and the floor measured in the same run, "
+        "taking turns one repetition each at every size. "
         "CPU % = getrusage user+sys over wall time on rank 0 (all threads).",
         "",
         HEADER,

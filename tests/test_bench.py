@@ -261,6 +261,67 @@ def test_measure_respects_the_cap_for_huge_sizes() -> None:
     assert max(batch.calls) <= stats.iteration_cap(stats.GIB) == m.iterations
 
 
+def test_sides_calibrate_apart_then_take_turns_one_repetition_each() -> None:
+    """mate, raw and the floor each calibrate in a phase of their own, then alternate a
+    repetition at a time, so that a drifting host weighs on every side alike; rank 1
+    serves exactly the phases that rank 0 ends, in the same order."""
+    opts = driver.Options("pingpong", "mpi", repetitions=3, min_time=0.01)
+    events: list[tuple[str, str]] = []
+
+    class Recorder(FakeBatch):
+        def __init__(self, label: str, per_iteration: float) -> None:
+            super().__init__(per_iteration)
+            self.label = label
+
+        async def __call__(self, n: int) -> Sample:
+            events.append((self.label, "batch"))
+            return await super().__call__(n)
+
+        def end_phase(self) -> None:
+            events.append((self.label, "end"))
+
+    batches = [Recorder(label, t) for label, t in
+               (("mate", 200e-6), ("raw", 50e-6), ("floor", 100e-6))]
+    sides = [driver._Side(b.label, b, b.end_phase) for b in batches]
+    shown: list[str] = []
+    mine, raw, floor = asyncio.run(driver._measure_sides(opts, sides, 64, shown.append))
+    assert shown == ["mate", "raw", "floor"]
+    phases: list[list[str]] = []  # the sides each phase ran, in order
+    current: list[str] = []
+    for label, what in events:
+        current.append(label)
+        if what == "end":
+            phases.append(current)
+            current = []
+    assert current == []
+    calibration, rounds = phases[:3], phases[3:]
+    assert [set(p) for p in calibration] == [{"mate"}, {"raw"}, {"floor"}]
+    assert [p[-1] for p in rounds] == ["mate", "raw", "floor"] * opts.repetitions
+    assert all(len(p) == 2 for p in rounds)  # one batch, then the end of the phase
+    for measurement, batch in ((mine, batches[0]), (raw, batches[1]), (floor, batches[2])):
+        assert len(measurement.samples) == opts.repetitions
+        assert measurement.iterations * batch.per_iteration >= opts.min_time
+        assert batch.calls[-opts.repetitions:] == [measurement.iterations] * opts.repetitions
+    assert mine.latency_us == pytest.approx(100.0) and raw.latency_us == pytest.approx(25.0)
+
+    served: list[str] = []
+
+    class Server:
+        def __init__(self, label: str) -> None:
+            self.label = label
+
+        def serve_phase(self) -> None:
+            served.append(self.label)
+
+    class MateServer(Server):
+        async def serve_phase(self) -> None:  # type: ignore[override]
+            served.append(self.label)
+
+    asyncio.run(driver._serve(opts, MateServer("mate"), Server("raw"),  # type: ignore[arg-type]
+                              MateServer("floor")))  # type: ignore[arg-type]
+    assert served == [p[-1] for p in phases] * len(opts.sweep)
+
+
 def test_measurement_median_and_cpu_over_all_repetitions() -> None:
     m = Measurement(1000, (Sample(10, 0.001, 0.001), Sample(10, 0.003, 0.0),
                            Sample(10, 0.002, 0.002)))
@@ -420,15 +481,16 @@ def test_rows_are_printed_as_they_are_measured(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.delenv(cli.PROGRESS_ENV, raising=False)
     printed = ""
     before: dict[int, str] = {}
-    measure_size = driver._measure
+    measure_sides = driver._measure_sides
 
-    async def spy(opts: driver.Options, batch: Any, size: int) -> Measurement:
+    async def spy(opts: driver.Options, sides: Any, size: int,
+                  show: Any) -> list[Measurement]:
         nonlocal printed
         printed += capsys.readouterr().out
         before[size] = printed
-        return await measure_size(opts, batch, size)
+        return await measure_sides(opts, sides, size, show)
 
-    monkeypatch.setattr(driver, "_measure", spy)
+    monkeypatch.setattr(driver, "_measure_sides", spy)
     cli.main(["pingpong", "--transport", "local", "--sizes", "8,16", "--min-time", "0",
               "--repetitions", "1"])
     printed += capsys.readouterr().out

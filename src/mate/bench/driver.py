@@ -2,9 +2,11 @@
 per process on a launched transport (mpi under mpiexec; ibverbs under mate-run,
 or under mpiexec when raw MPI is the baseline), the sweep over sizes, and the result.
 
-With a baseline every size is measured twice in turn, first with mate then with
-raw mpi4py (`mate.bench.patterns.RawBench`), so that both see the same machine
-state; the raw calls run on their own communicator and window.
+With a baseline (raw mpi4py, `mate.bench.patterns.RawBench`) or the floor
+(`FloorBench`) a size is measured on every side in turn: each side calibrates
+its iteration count in a phase of its own, then the sides take turns, one
+repetition each, so that all of them see the same machine state, drifts
+included. The raw calls run on their own communicator and window.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import socket
 import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mate
 from mate import native, registry
 from mate.bench import stats
-from mate.bench.measure import Batch, Measurement, measure
+from mate.bench.measure import WARMUP_ITERATIONS, Batch, Measurement, Sample, calibrate
 from mate.bench.patterns import DEFAULT_WINDOW, FloorBench, MateBench, RawBench, divisor
 from mate.bench.report import ProgressBar, Result, Row, format_head, show_row
 
@@ -105,45 +108,73 @@ def _mate_bench(opts: Options, world: mate.World) -> MateBench:
                      opts.handler_driven)
 
 
-async def _measure(opts: Options, batch: Batch, size: int) -> Measurement:
+class _Side:
+    """One side of a comparison at one size: its batch, how its phase ends on rank 0
+    (a coroutine for mate, a blocking call for raw MPI and the floor), its samples."""
+
+    def __init__(self, label: str, batch: Batch,
+                 end_phase: Callable[[], Coroutine[Any, Any, None] | None]) -> None:
+        self.label = label
+        self.batch = batch
+        self._end_phase = end_phase
+        self.iterations = 0
+        self.samples: list[Sample] = []
+
+    async def end_phase(self) -> None:
+        ended = self._end_phase()
+        if ended is not None:
+            await ended
+
+
+async def _measure_sides(opts: Options, sides: list[_Side], size: int,
+                         show: Callable[[str], None]) -> list[Measurement]:
+    """Rank 0: calibrate every side at `size`, each in a phase of its own, then run
+    `opts.repetitions` rounds of one repetition per side, a phase each (`_serve`
+    follows the same phases on rank 1)."""
+    wait = opts.pattern == "wait"  # one long wait per repetition: no warm-up, no calibration
+    for side in sides:
+        show(side.label)
+        side.iterations = await calibrate(side.batch, size, min_time=opts.min_time,
+                                          warmup=0 if wait else WARMUP_ITERATIONS,
+                                          iterations=1 if wait else None)
+        await side.end_phase()
+    for _ in range(opts.repetitions):
+        for side in sides:
+            side.samples.append(await side.batch(side.iterations))
+            await side.end_phase()
     per = divisor(opts.pattern, opts.window)
-    if opts.pattern == "wait":  # one long wait per repetition: no warm-up, no calibration
-        return await measure(batch, size, min_time=opts.min_time,
-                             repetitions=opts.repetitions, divisor=per, warmup=0,
-                             iterations=1)
-    return await measure(batch, size, min_time=opts.min_time, repetitions=opts.repetitions,
-                         divisor=per)
+    return [Measurement(size, tuple(side.samples), per) for side in sides]
 
 
 async def _lead(opts: Options, bench: MateBench, raw: RawBench | None,
                 floor: FloorBench | None, result: Result) -> None:
-    """Rank 0: the sweep, mate then (with a baseline) raw then (with the floor) the
-    asyncio floor at every size, into `result`;
-    the table goes to stdout as the sweep goes."""
+    """Rank 0: the sweep, mate beside raw (with a baseline) and the asyncio floor (with
+    `--floor`) at every size, into `result`; the table goes to stdout as the sweep goes."""
     sizes = opts.sweep
     bar = ProgressBar(len(sizes), f"{opts.pattern} {opts.transport}", opts.show_progress)
     print(format_head(result, raw is not None), flush=True)
     # What rank 0's world counted while mate ran each size (world.stats(): messages,
-    # bytes, and the transport's own counters such as pin-cache hits), by size.
+    # bytes, and the transport's own counters such as pin-cache hits), by size. Raw
+    # MPI and the floor do not go through the world, so they add nothing to it.
     counted: dict[str, dict[str, int]] = result.extra.setdefault("stats_by_size", {})
     try:
         for i, size in enumerate(sizes):
-            bar.update(i, f"{stats.format_size(size)} B mate")
+            sides = [_Side("mate", bench.batch(size), partial(bench.end_phase, size))]
+            if raw is not None:
+                sides.append(_Side("raw", raw.batch(size), partial(raw.end_phase, size)))
+            if floor is not None:
+                sides.append(_Side("floor", floor.batch(size), partial(floor.end_phase, size)))
+
+            def show(side: str, i: int = i, label: str = stats.format_size(size)) -> None:
+                bar.update(i, f"{label} B {side}")
+
             before = bench.world.stats()
-            mine = await _measure(opts, bench.batch(size), size)
+            measured = await _measure_sides(opts, sides, size, show)
             after = bench.world.stats()
             counted[str(size)] = {key: after[key] - before.get(key, 0) for key in after}
-            await bench.end_phase(size)
-            theirs = None
-            if raw is not None:
-                bar.update(i, f"{stats.format_size(size)} B raw ")
-                theirs = await _measure(opts, raw.batch(size), size)
-                raw.end_phase(size)
-            lowest = None
-            if floor is not None:
-                bar.update(i, f"{stats.format_size(size)} B floor")
-                lowest = await _measure(opts, floor.batch(size), size)
-                floor.end_phase(size)
+            mine = measured[0]
+            theirs = measured[1] if raw is not None else None
+            lowest = measured[-1] if floor is not None else None
             result.rows.append(Row.from_measurements(mine, theirs, lowest))
             show_row(result.rows[-1], raw is not None, bar, rate=opts.pattern == "rate")
         bar.update(len(sizes), "done")
@@ -153,13 +184,15 @@ async def _lead(opts: Options, bench: MateBench, raw: RawBench | None,
 
 async def _serve(opts: Options, bench: MateBench, raw: RawBench | None,
                  floor: FloorBench | None) -> None:
-    """Rank 1: serve every phase, in the order rank 0 runs them."""
+    """Rank 1: serve every phase, in the order rank 0 runs them: at every size, the
+    calibration and then each round of repetitions, side by side."""
     for _ in opts.sweep:
-        await bench.serve_phase()
-        if raw is not None:
-            raw.serve_phase()
-        if floor is not None:
-            await floor.serve_phase()
+        for _ in range(1 + opts.repetitions):
+            await bench.serve_phase()
+            if raw is not None:
+                raw.serve_phase()
+            if floor is not None:
+                await floor.serve_phase()
 
 
 async def run_local(opts: Options) -> Result:

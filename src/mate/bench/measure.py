@@ -3,9 +3,13 @@
 A pattern supplies a *batch*: ``await batch(n)`` runs `n` iterations on rank
 0 (after synchronising with rank 1) and returns the `Sample` it timed, wall
 time and CPU time (getrusage of the whole process, user + system: every
-thread counts, so a progress thread does). `measure` runs a warm-up batch,
-grows the count until one batch takes at least `min_time`, then runs
-`repetitions` batches of that count; the figures are their median.
+thread counts, so a progress thread does). `calibrate` runs a warm-up batch
+and grows the count until one batch takes at least `min_time`; `measure`
+then runs `repetitions` batches of that count, and the figures are their
+median. Where several sides are compared (mate, raw MPI, the floor), the
+driver calibrates each and then alternates their repetitions, so that a
+host that drifts between a fast and a slow state during a size weighs on
+every side alike.
 """
 
 from __future__ import annotations
@@ -71,13 +75,11 @@ class Measurement:
                                  sum(s.wall for s in self.samples))
 
 
-async def measure(batch: Batch, size: int, *, min_time: float, repetitions: int,
-                  divisor: int = 1, warmup: int = WARMUP_ITERATIONS,
-                  iterations: int | None = None) -> Measurement:
-    """Measure `batch` at `size` bytes. A fixed `iterations` skips the calibration
-    (and `warmup=0` the warm-up)."""
-    if repetitions < 1:
-        raise ValueError("repetitions must be >= 1")
+async def calibrate(batch: Batch, size: int, *, min_time: float,
+                    warmup: int = WARMUP_ITERATIONS, iterations: int | None = None) -> int:
+    """Warm `batch` up (not if `warmup` is 0) and return the iteration count at which
+    one batch takes at least `min_time`, capped by the size; a fixed `iterations`
+    is returned as it is, after the warm-up."""
     cap = stats.iteration_cap(size)
     n = 1 if iterations is None else iterations
     if warmup:
@@ -94,5 +96,16 @@ async def measure(batch: Batch, size: int, *, min_time: float, repetitions: int,
             if sample.wall >= min_time:
                 break
             n = stats.next_iterations(n, sample.wall, min_time, cap)
+    return n
+
+
+async def measure(batch: Batch, size: int, *, min_time: float, repetitions: int,
+                  divisor: int = 1, warmup: int = WARMUP_ITERATIONS,
+                  iterations: int | None = None) -> Measurement:
+    """Measure `batch` at `size` bytes. A fixed `iterations` skips the calibration
+    (and `warmup=0` the warm-up)."""
+    if repetitions < 1:
+        raise ValueError("repetitions must be >= 1")
+    n = await calibrate(batch, size, min_time=min_time, warmup=warmup, iterations=iterations)
     samples = [await batch(n) for _ in range(repetitions)]
     return Measurement(size, tuple(samples), divisor)

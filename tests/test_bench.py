@@ -263,8 +263,9 @@ def test_measure_respects_the_cap_for_huge_sizes() -> None:
 
 def test_sides_calibrate_apart_then_take_turns_one_repetition_each() -> None:
     """mate, raw and the floor each calibrate in a phase of their own, then alternate a
-    repetition at a time, so that a drifting host weighs on every side alike; rank 1
-    serves exactly the phases that rank 0 ends, in the same order."""
+    repetition at a time, so that a drifting host weighs on every side alike; each turn
+    warms its side up again (untimed) before the timed batch; rank 1 serves exactly the
+    phases that rank 0 ends, in the same order."""
     opts = driver.Options("pingpong", "mpi", repetitions=3, min_time=0.01)
     events: list[tuple[str, str]] = []
 
@@ -297,11 +298,13 @@ def test_sides_calibrate_apart_then_take_turns_one_repetition_each() -> None:
     calibration, rounds = phases[:3], phases[3:]
     assert [set(p) for p in calibration] == [{"mate"}, {"raw"}, {"floor"}]
     assert [p[-1] for p in rounds] == ["mate", "raw", "floor"] * opts.repetitions
-    assert all(len(p) == 2 for p in rounds)  # one batch, then the end of the phase
+    assert all(len(p) == 3 for p in rounds)  # warm-up, timed batch, end of the phase
     for measurement, batch in ((mine, batches[0]), (raw, batches[1]), (floor, batches[2])):
+        n = measurement.iterations
         assert len(measurement.samples) == opts.repetitions
-        assert measurement.iterations * batch.per_iteration >= opts.min_time
-        assert batch.calls[-opts.repetitions:] == [measurement.iterations] * opts.repetitions
+        assert n * batch.per_iteration >= opts.min_time
+        turns = batch.calls[-2 * opts.repetitions:]
+        assert turns == [max(1, n // driver.TURN_WARMUP), n] * opts.repetitions
     assert mine.latency_us == pytest.approx(100.0) and raw.latency_us == pytest.approx(25.0)
 
     served: list[str] = []

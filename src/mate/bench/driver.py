@@ -5,8 +5,9 @@ or under mpiexec when raw MPI is the baseline), the sweep over sizes, and the re
 With a baseline (raw mpi4py, `mate.bench.patterns.RawBench`) or the floor
 (`FloorBench`) a size is measured on every side in turn: each side calibrates
 its iteration count in a phase of its own, then the sides take turns, one
-repetition each, so that all of them see the same machine state, drifts
-included. The raw calls run on their own communicator and window.
+repetition each (after an untimed warm-up), so that all of them see the same
+machine state, drifts included. The raw calls run on their own communicator
+and window.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from mate.bench.patterns import DEFAULT_WINDOW, FloorBench, MateBench, RawBench,
 from mate.bench.report import ProgressBar, Result, Row, format_head, show_row
 
 WAIT_SIZE = 8  # the wait pattern ignores --sizes
+TURN_WARMUP = 10  # before its timed batch, each turn runs 1/TURN_WARMUP as many untimed
 
 
 class BenchError(Exception):
@@ -130,7 +132,10 @@ async def _measure_sides(opts: Options, sides: list[_Side], size: int,
                          show: Callable[[str], None]) -> list[Measurement]:
     """Rank 0: calibrate every side at `size`, each in a phase of its own, then run
     `opts.repetitions` rounds of one repetition per side, a phase each (`_serve`
-    follows the same phases on rank 1)."""
+    follows the same phases on rank 1). A turn first runs a tenth of its batch
+    untimed: a side that follows another starts cold (after raw MPI's busy
+    polling, the ibverbs soft device's first wake-ups in loop mode took ~15 %
+    longer), and its timed batch should see it as it runs on its own."""
     wait = opts.pattern == "wait"  # one long wait per repetition: no warm-up, no calibration
     for side in sides:
         show(side.label)
@@ -140,6 +145,8 @@ async def _measure_sides(opts: Options, sides: list[_Side], size: int,
         await side.end_phase()
     for _ in range(opts.repetitions):
         for side in sides:
+            if not wait:
+                await side.batch(max(1, side.iterations // TURN_WARMUP))
             side.samples.append(await side.batch(side.iterations))
             await side.end_phase()
     per = divisor(opts.pattern, opts.window)

@@ -57,7 +57,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from librt.threading import Lock
 from mpi4py import MPI
@@ -68,6 +68,8 @@ logger = logging.getLogger("mate")
 
 #: Run when a request completes: `action(owner, status, error)`. Passing the owner lets
 #: the hot paths add one bound method for every request instead of a closure per request.
+#: The status is the engine's scratch, which the next Testsome overwrites: an action
+#: reads it, and keeps none of it but the values it read.
 Action = Callable[[Any, MPI.Status, "MPI.Exception | None"], None]
 #: Told of an exception raised inside the progress context, with the object
 #: (usually a message) that the failed call or action was about, if any.
@@ -84,6 +86,9 @@ STAND_BACK = 2 * SLICE  # a progress thread leaves passes to a loop that ran one
 FRONT = 4  # the oldest user requests, tested in every pass (Engine._test_live) ...
 WHOLE_EVERY = 8  # ... and all of them when those stop moving, and every this many passes
 COMPACT_SLACK = 16  # holes a request list may hold beyond as many as its requests
+
+# Read once: through the module, each use costs a dictionary and an attribute lookup.
+_REQUEST_NULL: Final = MPI.REQUEST_NULL
 
 
 class Entry:
@@ -139,7 +144,7 @@ class _Requests:
 
     def remove(self, entry: Entry) -> None:
         i = entry.index
-        self.requests[i] = MPI.REQUEST_NULL
+        self.requests[i] = _REQUEST_NULL
         self.entries[i] = None
         entry.index = -1
         self._count -= 1
@@ -163,22 +168,33 @@ class Backoff:
 
     def __init__(self) -> None:
         self.last_progress = time.monotonic()
+        self._moved = False  # progress since the clock was last read
         self._pause = 0.0
         # True while peers may be doing passive-target RMA on this rank: MPICH moves
         # those operations only inside this rank's MPI calls, so it must not back off.
         self.hot: Callable[[], bool] = lambda: False
 
     def moved(self) -> None:
-        self.last_progress = time.monotonic()
+        """Progress. The clock is read when the time since is next asked for, not here:
+        a message moves twice (posted, completed), and its passes ask once."""
+        self._moved = True
         self._pause = 0.0
+
+    def idle(self) -> float:
+        """Seconds since the last progress (from the first look after it)."""
+        now = time.monotonic()
+        if self._moved:
+            self._moved = False
+            self.last_progress = now
+        return now - self.last_progress
 
     def spinning(self) -> bool:
         """Still in the first SPIN seconds after the last progress."""
-        return time.monotonic() - self.last_progress < SPIN
+        return self.idle() < SPIN
 
     def pause(self) -> float:
         """The pause before the next pass while user messages are outstanding."""
-        idle = time.monotonic() - self.last_progress
+        idle = self.idle()
         if idle < SPIN or self.hot():
             return 0.0
         cap = MAX_BACKOFF if idle < LONG_IDLE else LONG_IDLE_BACKOFF
@@ -203,9 +219,10 @@ class Engine:
         self._standing = _Requests()  # the transport's own, tested in every pass
         self._orphans = _Requests()  # abandoned sends, left for MPI to finish
         self._next_orphan_test = 0.0
-        # Scratch for Testsome (mpi4py lengthens it as needed), kept from pass to
-        # pass so that a message makes no Status of its own before it completes.
+        # Scratch for Testsome (mpi4py lengthens it as needed and fills it in place),
+        # kept from pass to pass so that a message makes no Status of its own.
         self._statuses: list[MPI.Status] = []
+        self._testsome_call = MPI.Request.Testsome  # looked up once, not twice a pass
         # What a pass tests first (see _test_live): the user's oldest requests, from
         # index _front_first, _front_size of them, then the transport's own.
         self._front: list[MPI.Request] = []
@@ -222,7 +239,7 @@ class Engine:
         # after making it, under this condition's lock: no wake-up is lost.
         self.wake = threading.Condition()
         self.backoff = Backoff()
-        self._add_entry = self._add  # bound once: `add` runs for every message
+        self._add_entry = self._add  # bound once: thread mode calls it for every message
         strategies: dict[str, Callable[[Engine, asyncio.AbstractEventLoop], Progress]] = {
             "poll": PollProgress, "thread": ThreadProgress, "manual": ManualProgress}
         self._progress = strategies[mode](self, loop)
@@ -244,7 +261,11 @@ class Engine:
         The returned entry is the request's handle for `disown`.
         """
         entry = Entry(request, action, owner, standing, receive)
-        self.call_in_context(self._add_entry, entry)
+        if self._progress.threaded:
+            self.call(self._add_entry, entry)
+        else:  # `call_in_context`, without its generic call: this runs for every message
+            self._add(entry)
+            self._progress.kick()
         return entry
 
     def _add(self, entry: Entry) -> None:
@@ -308,11 +329,13 @@ class Engine:
 
     def _pass(self) -> bool:
         self.passes += 1
-        with self.lock:
-            inbox, self._inbox = self._inbox, []
-        for fn, args, owner in inbox:
-            self._guarded(owner, fn, *args)
-        moved = bool(inbox)
+        moved = False
+        if self._inbox:  # read unlocked: a call added meanwhile kicks another pass
+            with self.lock:
+                inbox, self._inbox = self._inbox, []
+            for fn, args, owner in inbox:
+                self._guarded(owner, fn, *args)
+            moved = True
         if self._live or self._standing:
             moved = self._test_live() or moved
         if self._orphans and time.monotonic() >= self._next_orphan_test:
@@ -374,13 +397,13 @@ class Engine:
         with their statuses."""
         statuses = self._statuses
         try:
-            done = MPI.Request.Testsome(requests, statuses)
+            done = self._testsome_call(requests, statuses)
             error = None
         except MPI.Exception as exc:
             # MPI_ERR_IN_STATUS (e.g. a truncated receive): the index list is lost, but
             # the completed requests were set to MPI_REQUEST_NULL (as the holes are),
             # and MPICH and Open MPI both report completions in ascending index order.
-            done = [i for i, r in enumerate(requests) if r == MPI.REQUEST_NULL]
+            done = [i for i, r in enumerate(requests) if r == _REQUEST_NULL]
             error = exc
         if not done:
             return [], None
@@ -391,8 +414,9 @@ class Engine:
         for owner, entry in found:
             if entry is not None:  # None: a hole, which only the error's list holds
                 owner.remove(entry)
-                # Testsome's k-th status belongs to its k-th completion.
-                finished.append((entry, MPI.Status(statuses[len(finished)])))
+                # Testsome's k-th status belongs to its k-th completion. Not copied: the
+                # actions run before the next Testsome (see Action).
+                finished.append((entry, statuses[len(finished)]))
         return finished, error
 
     def _complete(self, tested: _Finished) -> bool:

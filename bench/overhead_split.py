@@ -34,8 +34,8 @@ from typing import Any
 from mpi4py import MPI
 
 import mate
-from mate.bench.stats import parse_sizes
 from mate.bench.patterns import await_request
+from mate.bench.stats import parse_sizes
 
 WAYS = ("raw", "floor", "engine-tight", "engine", "mate")
 TAG = 1

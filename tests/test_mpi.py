@@ -34,6 +34,15 @@ def test_mpi_specific_under_mpiexec(progress: str) -> None:
 
 
 @pytest.mark.parametrize("progress", ["poll", "thread"])
+def test_large_messages_without_cma_under_mpiexec(progress: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # MPICH then copies a large message through shared memory a fragment per MPI call,
+    # as where Yama's ptrace_scope or a container forbids cross-memory attach.
+    monkeypatch.setenv("MPIR_CVAR_CH4_CMA_ENABLE", "0")
+    run_under_mpiexec("test_mpi_transfers.py", 2, {"progress": progress})
+
+
+@pytest.mark.parametrize("progress", ["poll", "thread"])
 def test_faults_under_mpiexec(progress: str) -> None:
     run_under_mpiexec("test_faults.py", 2, {"progress": progress})
 

@@ -12,6 +12,7 @@ once, with its own status, within a bounded number of passes.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -179,3 +180,83 @@ def test_orphaned_and_cancelled_requests_leave_the_order_intact(recorder: Record
     time.sleep(progress.ORPHAN_INTERVAL)  # orphans are tested this often
     recorder.engine.test()
     assert recorder.seen[("recv", 0)][0] == 0 and recorder.engine.orphans == 0
+
+
+# -- transfers: large requests hold the backoff and nudge their peers -----------------------
+
+
+def large_receive(recorder: Recorder, tag: int, nbytes: int = progress.TRANSFER_SIZE, *,
+                  peer: int | None = 0) -> Entry:
+    buffer = bytearray(nbytes)
+    recorder.buffers.append(buffer)
+    request = recorder.comm.Irecv(buffer, 0, tag)
+    return recorder.engine.add(request, recorder.action, owner=("recv", tag), receive=True,
+                               peer=peer, nbytes=nbytes)
+
+
+def nudges_over(recorder: Recorder, seconds: float, start: float | None = None) -> list[float]:
+    """Run passes until `seconds` after `start` (default: now); the times of the nudges
+    they sent, from `start`."""
+    sent: list[float] = []
+    start = time.monotonic() if start is None else start
+    recorder.engine.nudge = lambda peer, nbytes: sent.append(time.monotonic() - start)
+    while time.monotonic() - start < seconds:
+        recorder.engine.test()
+    return sent
+
+
+def test_backoff_held_pauses_not_until_the_hold_ends() -> None:
+    backoff = progress.Backoff()
+    backoff.last_progress -= 1.0  # a second without progress: backing off
+    assert backoff.pause() > 0 and not backoff.spinning()
+    backoff.hold(0.05)
+    assert backoff.pause() == 0 and backoff.spinning()
+    time.sleep(0.06)
+    assert backoff.pause() > 0 and not backoff.spinning()
+
+
+def test_a_transfer_holds_the_backoff_and_nudges_its_peer_ever_less_often(
+        recorder: Recorder) -> None:
+    recorder.engine.backoff.last_progress -= 1.0
+    posted = time.monotonic()
+    large_receive(recorder, 1)
+    assert recorder.engine.backoff.pause() == 0  # held: SPIN plus its size at TRANSFER_RATE
+    sent = nudges_over(recorder, 0.040, posted)
+    # The first after SPIN, then each after twice the wait before: ~2, 6, 14, 30 ms.
+    assert 3 <= len(sent) <= 5, sent
+    assert sent[0] >= progress.SPIN
+    gaps = [b - a for a, b in itertools.pairwise(sent)]
+    assert all(later >= 1.5 * earlier for earlier, later in itertools.pairwise(gaps))
+    recorder.send(1)
+    # Completed: forgotten at its next due time (~62 ms after posting), without a nudge.
+    assert nudges_over(recorder, 0.040) == []
+    assert recorder.seen[("recv", 1)][0] == 1 and not recorder.engine._transfers
+
+
+def test_a_peers_nudge_is_answered_by_the_transfers_with_that_peer_only(
+        recorder: Recorder) -> None:
+    large_receive(recorder, 1, peer=0)
+    large_receive(recorder, 2, peer=3)
+    sent: list[int] = []
+    recorder.engine.nudge = lambda peer, nbytes: sent.append(peer)
+    start = time.monotonic()
+    while len(sent) < 2:  # both transfers' first nudges; the next come 4 ms later
+        recorder.engine.test()
+    recorder.engine.nudged(0, progress.TRANSFER_SIZE)  # rank 0 says its end is posted
+    while time.monotonic() - start < progress.SPIN * 2.5:
+        recorder.engine.test()
+    # Rank 0's transfer answered SPIN after that nudge, at ~4 ms, before the wait of
+    # 2 * SPIN that both had begun; rank 3's waits on (its next nudge at ~6 ms).
+    assert sent[:2] in ([0, 3], [3, 0]) and sent[2:] == [0], sent
+    recorder.send(1)
+    recorder.send(2)
+    settle(recorder.engine)
+
+
+def test_small_and_any_source_requests_are_no_transfers(recorder: Recorder) -> None:
+    large_receive(recorder, 1, progress.TRANSFER_SIZE - 1)
+    large_receive(recorder, 2, peer=None)
+    assert nudges_over(recorder, 0.010) == [] and not recorder.engine._transfers
+    recorder.send(1)
+    recorder.send(2)
+    settle(recorder.engine)

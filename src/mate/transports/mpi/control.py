@@ -171,8 +171,18 @@ class Abandon(_Fixed):
     reply_tag: int
 
 
+@attrs.frozen
+class Nudge(_Fixed):
+    """Either end of a large message -> the other: it has not crossed yet; do not back
+    off for a while (see `mate.transports.mpi.progress`, transfers)."""
+
+    KIND: ClassVar[int] = 11
+    FORMAT: ClassVar[struct.Struct] = struct.Struct("<BxxxxxxxQ")
+    nbytes: int
+
+
 Control = (TableRequest | Table | Revoke | RevokeAck | Get | GetRefused | Put | PutRequest
-           | Reply | Abandon)
+           | Reply | Abandon | Nudge)
 
 
 def decode(data: memoryview) -> Control:
@@ -186,7 +196,7 @@ def decode(data: memoryview) -> Control:
         _, reply_tag, address = Put.FORMAT.unpack_from(data)
         return Put(reply_tag, address, bytes(data[Put.FORMAT.size:]))
     fixed: tuple[type[_Fixed], ...] = (TableRequest, Revoke, RevokeAck, Get, GetRefused,
-                                        PutRequest, Abandon)
+                                        PutRequest, Abandon, Nudge)
     for cls in fixed:
         if kind == cls.KIND:
             return cls(*cls.FORMAT.unpack_from(data)[1:])  # type: ignore[return-value]
@@ -234,14 +244,17 @@ class ControlChannel:
         """Send `data` to `tag`; run `action` when the send completed. The request keeps
         `data` alive until then; the returned entry lets the engine `disown` it."""
         request = self.comm.Isend(data, dest, tag)
-        return self._engine.add(request, action, owner=owner, standing=True)
+        return self._engine.add(request, action, owner=owner, standing=True, peer=dest,
+                                nbytes=len(data))
 
     def recv(self, buffer: Any, source: int, tag: int, action: Action, *,
              owner: Any = None, standing: bool = True) -> Entry:
         """Receive into `buffer`; `standing=False` when a user message waits on it. The
         returned entry lets the engine `cancel` it."""
         request = self.comm.Irecv(buffer, source, tag)
-        return self._engine.add(request, action, owner=owner, standing=standing, receive=True)
+        return self._engine.add(request, action, owner=owner, standing=standing, receive=True,
+                                peer=None if source == MPI.ANY_SOURCE else source,
+                                nbytes=len(buffer))
 
     def _arrived(self, _owner: None, status: MPI.Status, error: MPI.Exception | None) -> None:
         if status.Is_cancelled():

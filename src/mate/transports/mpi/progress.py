@@ -36,6 +36,29 @@ happens in the progress context (`call`), because MPI forbids two threads to
 use one request at once. Posting itself (Isend, Irecv, Rput) may happen on any
 thread.
 
+A large message needs many passes, not one. Where MPI cannot copy it straight
+from the sender's memory (MPICH without CMA: Linux's Yama ptrace_scope >= 1,
+as on Ubuntu, or a container that forbids process_vm_readv), it crosses
+shared memory a fragment (8 KiB here) per MPI call, on both ranks, and a
+rank backing off moves one fragment per pause: a 4 MiB message sent to a
+rank that had waited a while took 2.1 s instead of about 1 ms. Passes cannot
+see a message move before it completes, so a request of `TRANSFER_SIZE`
+bytes or more with a known peer is a *transfer*: its posting holds the
+backoff for `SPIN` plus its size at `TRANSFER_RATE`, and if it is not
+complete `SPIN` after its posting, the engine *nudges* the peer (`nudge`, a
+control message that holds the peer's backoff the same way) and holds its
+own again. The nudges of one transfer come ever further apart (each after
+twice the wait before the last), so a transfer whose peer never comes costs
+a few held spins, not a spinning rank. But a nudge from a peer with which
+this rank has a transfer of its own says that both ends are posted: the
+data is crossing, so the rank answers `SPIN` later, and the two keep each
+other held until one end completes (from the first such nudge on, for at
+most the transfer's size at `TRANSFER_RATE_FLOOR`, should the two transfers
+not be each other's). A nudge travels as the data does, in order, so one
+sent after a large send waits behind its data: a large send or receive
+posted while its rank was quiet is preceded by a nudge, since its peer may
+be backing off (`MpiTransport._nudge_if_quiet`).
+
 Sends that timed out but that MPI still holds (*orphans*, see transport.py)
 are kept apart from the live requests and tested only every
 `ORPHAN_INTERVAL`: a `Testsome` over 20,000 forgotten requests costs ~1.5 ms,
@@ -86,6 +109,9 @@ STAND_BACK = 2 * SLICE  # a progress thread leaves passes to a loop that ran one
 FRONT = 4  # the oldest user requests, tested in every pass (Engine._test_live) ...
 WHOLE_EVERY = 8  # ... and all of them when those stop moving, and every this many passes
 COMPACT_SLACK = 16  # holes a request list may hold beyond as many as its requests
+TRANSFER_SIZE = 64 * 1024  # a request moving this many bytes or more is a transfer ...
+TRANSFER_RATE = 1e9  # ... which holds the backoff for SPIN + its size at this rate (B/s),
+TRANSFER_RATE_FLOOR = 1e8  # ... and answers its peer's nudges for its size at this rate
 
 # Read once: through the module, each use costs a dictionary and an attribute lookup.
 _REQUEST_NULL: Final = MPI.REQUEST_NULL
@@ -94,10 +120,11 @@ _REQUEST_NULL: Final = MPI.REQUEST_NULL
 class Entry:
     """What the engine knows of one outstanding request."""
 
-    __slots__ = ("action", "cancelled", "index", "owner", "receive", "request", "standing")
+    __slots__ = ("action", "cancelled", "index", "owner", "receive", "request", "standing",
+                 "transfer")
 
     def __init__(self, request: MPI.Request, action: Action, owner: Any, standing: bool,
-                 receive: bool) -> None:
+                 receive: bool, transfer: Transfer | None = None) -> None:
         self.request = request
         self.action = action
         self.owner = owner  # what the action is about: failed if the action raises
@@ -105,6 +132,31 @@ class Entry:
         self.receive = receive  # receives are the only requests ever cancelled ...
         self.cancelled = False  # ... and only once (Engine.cancel)
         self.index = -1  # position in its request list (`_Requests`)
+        self.transfer = transfer
+
+
+class Transfer:
+    """A request that moves `nbytes` (at least `TRANSFER_SIZE`) with `peer`: when to
+    nudge the peer next, and after how long a wait (doubled at every nudge)."""
+
+    __slots__ = ("answer_until", "nbytes", "nudge_at", "peer", "wait")
+
+    def __init__(self, peer: int, nbytes: int) -> None:
+        self.peer = peer
+        self.nbytes = nbytes
+        self.wait = SPIN  # before the next nudge
+        self.nudge_at = math.inf  # set when the engine takes the request in
+        self.answer_until: float | None = None  # the peer's nudges are answered until then
+
+    def answers(self, now: float) -> bool:
+        """Whether a nudge of the peer's, now, is answered (see the module's docstring)."""
+        if self.answer_until is None:
+            self.answer_until = now + SPIN + self.nbytes / TRANSFER_RATE_FLOOR
+        return now < self.answer_until
+
+    def hold(self) -> float:
+        """How long a posting or a nudge holds the backoff for this transfer."""
+        return SPIN + self.nbytes / TRANSFER_RATE
 
 
 #: What one Testsome found: the entries whose requests completed, with their statuses,
@@ -170,6 +222,7 @@ class Backoff:
         self.last_progress = time.monotonic()
         self._moved = False  # progress since the clock was last read
         self._pause = 0.0
+        self._held_until = 0.0  # no backoff before this time (transfers, nudges)
         # True while peers may be doing passive-target RMA on this rank: MPICH moves
         # those operations only inside this rank's MPI calls, so it must not back off.
         self.hot: Callable[[], bool] = lambda: False
@@ -179,6 +232,15 @@ class Backoff:
         a message moves twice (posted, completed), and its passes ask once."""
         self._moved = True
         self._pause = 0.0
+
+    def hold(self, seconds: float) -> None:
+        """Do not back off for the next `seconds` (a large message is crossing)."""
+        self._held_until = max(self._held_until, time.monotonic() + seconds)
+        self._pause = 0.0
+
+    def _held(self) -> bool:
+        # Reads only: a large post asks from the loop's thread in thread mode.
+        return self._held_until > 0.0 and time.monotonic() < self._held_until
 
     def idle(self) -> float:
         """Seconds since the last progress (from the first look after it)."""
@@ -190,12 +252,12 @@ class Backoff:
 
     def spinning(self) -> bool:
         """Still in the first SPIN seconds after the last progress."""
-        return self.idle() < SPIN
+        return self.idle() < SPIN or self._held()
 
     def pause(self) -> float:
         """The pause before the next pass while user messages are outstanding."""
         idle = self.idle()
-        if idle < SPIN or self.hot():
+        if idle < SPIN or self.hot() or self._held():
             return 0.0
         cap = MAX_BACKOFF if idle < LONG_IDLE else LONG_IDLE_BACKOFF
         self._pause = min(cap, max(self._pause * 2, 50e-6))
@@ -233,6 +295,11 @@ class Engine:
         # Work handed to the progress context: (function, args, owner).
         self._inbox: list[tuple[Callable[..., None], tuple[Any, ...], Any]] = []
         self._after_pass: list[tuple[Callable[[], None], Any]] = []
+        self._transfers: list[Entry] = []  # entries with a transfer, possibly completed,
+        self._nudge_due = math.inf  # ... and the soonest time one of them nudges
+        #: Tells `peer` that a transfer of `nbytes` with it is under way (the transport's
+        #: control message); None: nobody to tell, transfers only hold this rank's backoff.
+        self.nudge: Callable[[int, int], None] | None = None
         self.passes = 0
         self.lock = Lock()  # guards the inbox (mypyc's lock: two C calls a pass)
         # A progress thread sleeps on it. Whatever makes work for the thread notifies it
@@ -255,12 +322,17 @@ class Engine:
     # -- adding work (any thread) --------------------------------------------------------
 
     def add(self, request: MPI.Request, action: Action, *, owner: Any = None,
-            standing: bool = False, receive: bool = False) -> Entry:
+            standing: bool = False, receive: bool = False, peer: int | None = None,
+            nbytes: int = 0) -> Entry:
         """Test `request` from now on; run `action(owner, status, error)` when it completes.
 
-        The returned entry is the request's handle for `disown`.
+        A request that moves `nbytes` >= `TRANSFER_SIZE` with one known `peer` is a
+        transfer (see the module's docstring). The returned entry is the request's
+        handle for `disown`.
         """
-        entry = Entry(request, action, owner, standing, receive)
+        transfer = (Transfer(peer, nbytes) if nbytes >= TRANSFER_SIZE and peer is not None
+                    else None)
+        entry = Entry(request, action, owner, standing, receive, transfer)
         if self._progress.threaded:
             self.call(self._add_entry, entry)
         else:  # `call_in_context`, without its generic call: this runs for every message
@@ -271,6 +343,45 @@ class Engine:
     def _add(self, entry: Entry) -> None:
         (self._standing if entry.standing else self._live).add(entry)
         self.backoff.moved()
+        transfer = entry.transfer
+        if transfer is not None:
+            self.backoff.hold(transfer.hold())
+            transfer.nudge_at = time.monotonic() + transfer.wait
+            self._nudge_due = min(self._nudge_due, transfer.nudge_at)
+            self._transfers.append(entry)
+
+    def nudged(self, peer: int, nbytes: int) -> None:
+        """`peer` nudged: a transfer of `nbytes` with it has not crossed yet (progress
+        context). Hold the backoff; answer soon if this rank has a transfer with it."""
+        self.backoff.hold(SPIN + nbytes / TRANSFER_RATE)
+        now = time.monotonic()
+        for entry in self._transfers:
+            transfer = entry.transfer
+            assert transfer is not None
+            if transfer.peer == peer and transfer.answers(now):
+                transfer.wait = SPIN
+                transfer.nudge_at = min(transfer.nudge_at, now + SPIN)
+                self._nudge_due = min(self._nudge_due, transfer.nudge_at)
+
+    def _nudge_transfers(self, now: float) -> None:
+        """Nudge the peers of the transfers that waited past their time; forget the
+        transfers that completed (or were orphaned)."""
+        kept: list[Entry] = []
+        due = math.inf
+        for entry in self._transfers:
+            transfer = entry.transfer
+            assert transfer is not None
+            if not self._live.holds(entry) and not self._standing.holds(entry):
+                continue
+            kept.append(entry)
+            if now >= transfer.nudge_at:
+                transfer.wait *= 2  # until a nudge of the peer's answers
+                transfer.nudge_at = now + transfer.wait
+                self.backoff.hold(transfer.hold())
+                if self.nudge is not None:
+                    self._guarded(entry.owner, self.nudge, transfer.peer, transfer.nbytes)
+            due = min(due, transfer.nudge_at)
+        self._transfers, self._nudge_due = kept, due
 
     def call(self, fn: Callable[..., None], *args: Any, owner: Any = None) -> None:
         """Run `fn(*args)` in the progress context, before the next pass."""
@@ -310,7 +421,12 @@ class Engine:
         return bool(self.user_outstanding or self._inbox or self.backoff.hot())
 
     def idle_interval(self) -> float | None:
-        """With nothing busy: the pause before the next pass, or None for no pass."""
+        """With nothing busy: the pause before the next pass, or None for no pass.
+
+        Looks at the backoff's clock, so that the time of the last progress is known
+        within an interval even while no pass backs off (a large message asks
+        whether its rank was quiet: `MpiTransport._nudge_if_quiet`)."""
+        self.backoff.idle()
         if self._standing:
             return IDLE_INTERVAL  # the standing receives: peers' requests
         return ORPHAN_INTERVAL if self._orphans else None
@@ -343,6 +459,10 @@ class Engine:
             orphans = self._orphans
             requests = orphans.requests[orphans.first:]
             self._complete(self._testsome(requests, orphans, orphans.first, len(requests)))
+        # A transfer makes a large message cross a fragment per pass: keep its passes
+        # light, one look at the clock (see the module's docstring, transfers).
+        if self._transfers and time.monotonic() >= self._nudge_due:
+            self._nudge_transfers(time.monotonic())
         if self._after_pass:
             hooks, self._after_pass = self._after_pass, []
             for fn, owner in hooks:

@@ -48,8 +48,8 @@ from mate.constants import ANY_SOURCE, ANY_TAG
 from mate.errors import FailureReason
 from mate.schedule import Op, Region
 from mate.transports.base import Operation, Sink, Transport
-from mate.transports.mpi.control import Control, ControlChannel
-from mate.transports.mpi.progress import Action, Engine, Entry
+from mate.transports.mpi.control import Control, ControlChannel, Nudge
+from mate.transports.mpi.progress import TRANSFER_SIZE, Action, Engine, Entry
 from mate.transports.mpi.reports import Reporter
 from mate.transports.mpi.rma import Rma
 from mate.transports.mpi.rma_auto import AutoRma
@@ -104,6 +104,8 @@ class MpiTransport(Transport):
         self.engine = Engine(loop, progress, self._contain, self.report.hand_over,
                              self._hot_spot, loop_helps=handlers == "loop")
         self.control = ControlChannel(self.engine, self.tag_max, self._on_control)
+        self.engine.nudge = self._nudge
+        self._nudges_sent = self._nudges_received = 0
         self.rma: Rma
         if rma == "auto":
             self.rma = AutoRma(self.mypid, self.comm, self.engine, self.control, self.report,
@@ -161,6 +163,7 @@ class MpiTransport(Transport):
         buffer = msg.buffer
         copied = len(buffer) <= self.eager_size or msg.deadline is not None
         data = bytes(buffer) if copied else buffer
+        self._nudge_if_quiet(msg.peer, len(data))
         try:
             request = self.comm.Issend(data, msg.peer, msg.tag)
         except MPI.Exception as exc:
@@ -169,7 +172,8 @@ class MpiTransport(Transport):
         state = msg.transport_data = _Send(data, copied)
         if copied:
             self.engine.call_in_context(self._report_submitted, msg)
-        state.entry = self.engine.add(request, self._on_send_done, owner=msg)
+        state.entry = self.engine.add(request, self._on_send_done, owner=msg, peer=msg.peer,
+                                      nbytes=len(data))
 
     def _send_done(self, msg: Operation, status: MPI.Status, error: MPI.Exception | None) -> None:
         state: _Send = msg.transport_data
@@ -191,13 +195,16 @@ class MpiTransport(Transport):
     def _post_recv(self, msg: Operation) -> None:
         source = _MPI_ANY_SOURCE if msg.peer == ANY_SOURCE else msg.peer
         tag = _MPI_ANY_TAG if msg.tag == ANY_TAG else msg.tag
+        if source >= 0:
+            self._nudge_if_quiet(source, len(msg.buffer))
         try:
             request = self.comm.Irecv(msg.buffer, source, tag)
         except MPI.Exception as exc:
             self.fail_later(msg, FailureReason.TRANSPORT, f"MPI_Irecv: {exc}", exc)
             return
         msg.transport_data = self.engine.add(request, self._on_recv_done, owner=msg,
-                                             receive=True)
+                                             receive=True, peer=source if source >= 0 else None,
+                                             nbytes=len(msg.buffer))
 
     def _recv_done(self, msg: Operation, status: MPI.Status, error: MPI.Exception | None) -> None:
         msg.transport_data = None  # a cancel that comes now finds nothing left to cancel
@@ -245,8 +252,23 @@ class MpiTransport(Transport):
             self._orphans[msg.peer] += 1
             self.report.cancelled(msg)
 
+    def _nudge_if_quiet(self, peer: int, nbytes: int) -> None:
+        """Before posting a large message: if this rank was quiet, its peer may be
+        backing off, so nudge it now. Not later: a nudge sent once the data is under
+        way reaches the peer behind it (see progress.py, transfers)."""
+        if nbytes >= TRANSFER_SIZE and not self.engine.backoff.spinning():
+            self._nudge(peer, nbytes)
+
+    def _nudge(self, peer: int, nbytes: int) -> None:
+        self._nudges_sent += 1
+        self.control.send(peer, Nudge(nbytes))
+
     def _on_control(self, source: int, message: Control) -> None:
-        self.rma.on_control(source, message)
+        if isinstance(message, Nudge):
+            self._nudges_received += 1
+            self.engine.nudged(source, message.nbytes)
+        else:
+            self.rma.on_control(source, message)
 
     # -- the rest of the interface -------------------------------------------------------
 
@@ -265,7 +287,8 @@ class MpiTransport(Transport):
 
     def stats(self) -> dict[str, int]:
         return {"requests": self.engine.user_outstanding, "orphaned_sends": self.engine.orphans,
-                **self.rma.counters()}
+                "nudges_sent": self._nudges_sent,
+                "nudges_received": self._nudges_received, **self.rma.counters()}
 
     async def shutdown(self) -> None:
         """Cancel what is left, meet the peers (bounded wait), and free the MPI objects.

@@ -21,6 +21,12 @@ receives with `Recv`), completed five ways, each a layer more than the last:
 So engine-tight - raw is what the engine's passes cost, engine - floor the same
 under the event loop, and mate - engine the core's share (arguments, ledger,
 message state machine, receipt). Medians over rounds that take the ways in turn.
+
+For ``engine`` and ``mate`` the time is also split where the request's action
+runs (the pass that found it complete): the part after it ("after") is the
+way from the completion to the awaiting task, which grows with the size of a
+message although no work there does: a large copy into the buffer leaves the
+CPU's caches cold for the code that runs next (`bench/cache_cold.py`).
 """
 
 from __future__ import annotations
@@ -46,16 +52,29 @@ async def main(world: mate.World, args: argparse.Namespace) -> None:
     comm, engine = transport.comm, transport.engine
     loop = asyncio.get_running_loop()
     rank, peer, barrier = world.mypid, 1 - world.mypid, MPI.COMM_WORLD.Barrier
+    acted: list[float] = []  # when the request's action ran (engine and mate)
 
-    async def once(op: str, way: str, out: bytearray, into: bytearray) -> float:
-        """Rank 1's time for one operation, in µs (rank 0: its blocking half, 0)."""
+    def stamped(action: Any) -> Any:
+        def run(owner: Any, status: Any, error: Any) -> None:
+            acted.append(time.perf_counter())
+            action(owner, status, error)
+        return run
+
+    # The transport's actions for user messages, read at every post: stamp them.
+    transport._on_recv_done = stamped(transport._on_recv_done)
+    transport._on_send_done = stamped(transport._on_send_done)
+
+    async def once(op: str, way: str, out: bytearray, into: bytearray) -> tuple[float, float]:
+        """Rank 1's time for one operation and the part after its action, in µs
+        (rank 0: its blocking half, zeros; ways with no action: after 0)."""
         barrier()
         if rank == 0:
             if op == "recv":
                 comm.Ssend(out, peer, TAG)
             else:
                 comm.Recv(into, peer, TAG)
-            return 0.0
+            return 0.0, 0.0
+        acted.clear()
         start = time.perf_counter()
         post = ((lambda: comm.Irecv(into, peer, TAG)) if op == "recv"
                 else (lambda: comm.Issend(out, peer, TAG)))
@@ -72,28 +91,33 @@ async def main(world: mate.World, args: argparse.Namespace) -> None:
                 engine.test()
         elif way == "engine":
             future = loop.create_future()
-            engine.add(post(), lambda owner, status, error: future.set_result(None))
+            engine.add(post(), stamped(lambda owner, status, error: future.set_result(None)))
             await future
         elif op == "recv":
             await world.recv(into, peer, TAG)
         else:
             await world.send(out, peer, TAG)
-        return (time.perf_counter() - start) * 1e6
+        end = time.perf_counter()
+        return (end - start) * 1e6, (end - acted[0]) * 1e6 if acted else 0.0
 
     for size in args.sizes:
         out, into = bytearray(b"\x5a" * size), bytearray(size)
         for op in ("recv", "send"):
             times: dict[str, list[float]] = {way: [] for way in WAYS}
+            after: dict[str, list[float]] = {way: [] for way in WAYS}
             for _ in range(args.rounds):
                 for way in WAYS:
                     samples = [await once(op, way, out, into) for _ in range(args.operations)]
-                    times[way].append(statistics.median(samples))
+                    times[way].append(statistics.median(total for total, _ in samples))
+                    after[way].append(statistics.median(part for _, part in samples))
             if rank == 1:
                 medians = {way: statistics.median(t) for way, t in times.items()}
+                tails = {way: statistics.median(after[way]) for way in ("engine", "mate")}
                 cells = "  ".join(f"{way} {medians[way]:7.2f}" for way in WAYS)
                 print(f"{size:>8} B {op}  {cells}  | engine - floor "
                       f"{medians['engine'] - medians['floor']:5.2f}, mate - engine "
-                      f"{medians['mate'] - medians['engine']:5.2f} us", flush=True)
+                      f"{medians['mate'] - medians['engine']:5.2f} | after the action: "
+                      f"engine {tails['engine']:6.2f}, mate {tails['mate']:6.2f} us", flush=True)
 
 
 def run() -> None:

@@ -154,9 +154,11 @@ class Transfer:
             self.answer_until = now + SPIN + self.nbytes / TRANSFER_RATE_FLOOR
         return now < self.answer_until
 
-    def hold(self) -> float:
-        """How long a posting or a nudge holds the backoff for this transfer."""
-        return SPIN + self.nbytes / TRANSFER_RATE
+
+def transfer_hold(nbytes: int) -> float:
+    """How long the posting of a transfer of `nbytes`, or a nudge for it, holds the
+    backoff (see the module's docstring)."""
+    return SPIN + nbytes / TRANSFER_RATE
 
 
 #: What one Testsome found: the entries whose requests completed, with their statuses,
@@ -238,26 +240,26 @@ class Backoff:
         self._held_until = max(self._held_until, time.monotonic() + seconds)
         self._pause = 0.0
 
-    def _held(self) -> bool:
-        # Reads only: a large post asks from the loop's thread in thread mode.
-        return self._held_until > 0.0 and time.monotonic() < self._held_until
-
     def idle(self) -> float:
         """Seconds since the last progress (from the first look after it)."""
-        now = time.monotonic()
+        return self._idle(time.monotonic())
+
+    def _idle(self, now: float) -> float:
         if self._moved:
             self._moved = False
             self.last_progress = now
         return now - self.last_progress
 
     def spinning(self) -> bool:
-        """Still in the first SPIN seconds after the last progress."""
-        return self.idle() < SPIN or self._held()
+        """Still in the first SPIN seconds after the last progress, or held."""
+        now = time.monotonic()
+        return self._idle(now) < SPIN or now < self._held_until
 
     def pause(self) -> float:
         """The pause before the next pass while user messages are outstanding."""
-        idle = self.idle()
-        if idle < SPIN or self.hot() or self._held():
+        now = time.monotonic()
+        idle = self._idle(now)
+        if idle < SPIN or self.hot() or now < self._held_until:
             return 0.0
         cap = MAX_BACKOFF if idle < LONG_IDLE else LONG_IDLE_BACKOFF
         self._pause = min(cap, max(self._pause * 2, 50e-6))
@@ -345,7 +347,7 @@ class Engine:
         self.backoff.moved()
         transfer = entry.transfer
         if transfer is not None:
-            self.backoff.hold(transfer.hold())
+            self.backoff.hold(transfer_hold(transfer.nbytes))
             transfer.nudge_at = time.monotonic() + transfer.wait
             self._nudge_due = min(self._nudge_due, transfer.nudge_at)
             self._transfers.append(entry)
@@ -353,7 +355,7 @@ class Engine:
     def nudged(self, peer: int, nbytes: int) -> None:
         """`peer` nudged: a transfer of `nbytes` with it has not crossed yet (progress
         context). Hold the backoff; answer soon if this rank has a transfer with it."""
-        self.backoff.hold(SPIN + nbytes / TRANSFER_RATE)
+        self.backoff.hold(transfer_hold(nbytes))
         now = time.monotonic()
         for entry in self._transfers:
             transfer = entry.transfer
@@ -377,7 +379,7 @@ class Engine:
             if now >= transfer.nudge_at:
                 transfer.wait *= 2  # until a nudge of the peer's answers
                 transfer.nudge_at = now + transfer.wait
-                self.backoff.hold(transfer.hold())
+                self.backoff.hold(transfer_hold(transfer.nbytes))
                 if self.nudge is not None:
                     self._guarded(entry.owner, self.nudge, transfer.peer, transfer.nbytes)
             due = min(due, transfer.nudge_at)
@@ -461,8 +463,10 @@ class Engine:
             self._complete(self._testsome(requests, orphans, orphans.first, len(requests)))
         # A transfer makes a large message cross a fragment per pass: keep its passes
         # light, one look at the clock (see the module's docstring, transfers).
-        if self._transfers and time.monotonic() >= self._nudge_due:
-            self._nudge_transfers(time.monotonic())
+        if self._transfers:
+            now = time.monotonic()
+            if now >= self._nudge_due:
+                self._nudge_transfers(now)
         if self._after_pass:
             hooks, self._after_pass = self._after_pass, []
             for fn, owner in hooks:

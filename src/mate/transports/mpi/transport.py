@@ -195,16 +195,16 @@ class MpiTransport(Transport):
     def _post_recv(self, msg: Operation) -> None:
         source = _MPI_ANY_SOURCE if msg.peer == ANY_SOURCE else msg.peer
         tag = _MPI_ANY_TAG if msg.tag == ANY_TAG else msg.tag
-        if source >= 0:
-            self._nudge_if_quiet(source, len(msg.buffer))
+        peer = None if source == _MPI_ANY_SOURCE else source
+        if peer is not None:
+            self._nudge_if_quiet(peer, len(msg.buffer))
         try:
             request = self.comm.Irecv(msg.buffer, source, tag)
         except MPI.Exception as exc:
             self.fail_later(msg, FailureReason.TRANSPORT, f"MPI_Irecv: {exc}", exc)
             return
         msg.transport_data = self.engine.add(request, self._on_recv_done, owner=msg,
-                                             receive=True, peer=source if source >= 0 else None,
-                                             nbytes=len(msg.buffer))
+                                             receive=True, peer=peer, nbytes=len(msg.buffer))
 
     def _recv_done(self, msg: Operation, status: MPI.Status, error: MPI.Exception | None) -> None:
         msg.transport_data = None  # a cancel that comes now finds nothing left to cancel

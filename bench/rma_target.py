@@ -1,6 +1,7 @@
 """MPICH's native put bandwidth as a function of what the *target* does meanwhile.
 
-    mpiexec -n 2 python bench/rma_target.py [--size 4M] [--puts 40] [--reps 5] [--json F]
+    mpiexec -n 2 python bench/rma_target.py [--size 4M] [--puts 40] [--reps 5]
+        [--targets ...] [--json F]
 
 Rank 0 does what mate's native RMA does for a put (issue 11, item 5): `Rput`
 into rank 1's dynamic window under `Lock_all`, wait for it, `Win_flush`, and
@@ -14,7 +15,13 @@ the target spends the time:
 - ``loop``: an asyncio loop tests the `Irecv` once per turn (``call_soon``),
   as mate's poll mode drives MPI while a message is outstanding;
 - ``idle``: an asyncio loop that tests once a millisecond, as mate's poll
-  mode backs off when a rank has nothing of its own outstanding.
+  mode backs off when a rank has nothing of its own outstanding;
+- ``every-1us``, ``every-2us``, ``every-4us``: an asyncio loop whose turns test
+  for up to `SLICE` each, with that much Python (a busy wait) between tests, as
+  a rank that runs passes back to back (a pass costs a few microseconds);
+- ``pokes``: the same turns, but as mate's engine pokes while a transfer holds
+  its backoff (`Engine._poke`): `MPI_Request_get_status` on a receive that
+  nothing matches, and every `LOOK_EVERY` calls on the awaited request.
 
 Each row: the median and range of `--reps` repetitions of `--puts` puts.
 """
@@ -31,6 +38,7 @@ from collections.abc import Callable
 from mpi4py import MPI
 
 from mate.bench.stats import parse_size
+from mate.transports.mpi.progress import LOOK_EVERY, SLICE
 
 DONE_TAG = 7
 
@@ -85,8 +93,61 @@ def target_idle(comm: MPI.Intracomm) -> None:
     asyncio.run(main())
 
 
+def loop_turns(comm: MPI.Intracomm, between: Callable[[MPI.Request], bool]) -> None:
+    """An asyncio loop whose every turn calls `between(request)` (True: the request
+    completed) for up to SLICE, the request being the receive of the origin's end."""
+    async def main() -> None:
+        comm.Barrier()
+        request = comm.Irecv(bytearray(1), 0, DONE_TAG)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def turn() -> None:
+            give_up = time.perf_counter() + SLICE
+            while time.perf_counter() < give_up:
+                if between(request):
+                    done.set_result(None)
+                    return
+            loop.call_soon(turn)
+        loop.call_soon(turn)
+        await done
+    asyncio.run(main())
+
+
+def target_every(gap: float) -> Callable[[MPI.Intracomm], None]:
+    def target(comm: MPI.Intracomm) -> None:
+        def between(request: MPI.Request) -> bool:
+            if request.Test():
+                return True
+            until = time.perf_counter() + gap
+            while time.perf_counter() < until:
+                pass
+            return False
+        loop_turns(comm, between)
+    return target
+
+
+def target_pokes(comm: MPI.Intracomm) -> None:
+    own = MPI.COMM_SELF.Dup()
+    never = own.Irecv(bytearray(1), 0, 0)
+
+    def between(request: MPI.Request) -> bool:
+        if request.Get_status():
+            request.Wait()
+            return True
+        for _ in range(LOOK_EVERY - 1):
+            never.Get_status()
+        return False
+    loop_turns(comm, between)
+    never.Cancel()
+    never.Wait()
+    own.Free()
+
+
 TARGETS: dict[str, Callable[[MPI.Intracomm], None]] = {
-    "blocking": target_blocking, "spin": target_spin, "loop": target_loop, "idle": target_idle}
+    "blocking": target_blocking, "spin": target_spin, "loop": target_loop, "idle": target_idle,
+    "every-1us": target_every(1e-6), "every-2us": target_every(2e-6),
+    "every-4us": target_every(4e-6), "pokes": target_pokes}
 
 
 def main() -> None:

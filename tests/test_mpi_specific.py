@@ -283,6 +283,41 @@ async def test_auto_rma_moves_small_transfers_natively_and_large_ones_two_sided(
         await group.run(program)
 
 
+async def test_a_large_native_put_or_get_tells_its_target_to_poll(fabric: Fabric) -> None:
+    """A passive target sees no sign of a native put or get, yet MPICH moves a large one
+    only inside the target's MPI calls: the origin nudges the target first, once per
+    operation of TRANSFER_SIZE bytes or more, and never for a smaller one."""
+    from mate.transports.mpi.progress import TRANSFER_SIZE
+
+    async def program(world: mate.World) -> None:
+        memory = bytearray(2 * TRANSFER_SIZE)
+        region = world.expose(memory) if world.mypid == 1 else None
+        raw = bytearray(8)
+        if region is not None:
+            await world.send(region.address.to_bytes(8, "little"), 0, tag=5)
+        elif world.mypid == 0:
+            await world.recv(raw, 1, tag=5)
+        await barrier(world)
+        before = world.stats()
+        if world.mypid == 0:
+            base = int.from_bytes(raw, "little")
+            data = bytes(i % 253 for i in range(TRANSFER_SIZE))
+            await world.put(data[:-1], 1, base)  # one byte short: no nudge
+            await world.put(data, 1, base + TRANSFER_SIZE)
+            back = bytearray(TRANSFER_SIZE)
+            await world.get(back, 1, base + TRANSFER_SIZE)
+            assert back == data
+            assert world.stats()["nudges_sent"] - before["nudges_sent"] == 2
+        await barrier(world)
+        if region is not None:
+            assert world.stats()["nudges_received"] - before["nudges_received"] == 2
+            await world.unexpose(region)
+        await barrier(world)
+
+    async with fabric.open(rma="native") as group:
+        await group.run(program)
+
+
 async def test_an_answer_left_by_a_closed_world_never_reaches_the_next(fabric: Fabric) -> None:
     """Found with rma="auto" (issue 11): MPICH gives a freed communicator's context
     id to the next one, so an answer that arrived after its asker shut down (a put's

@@ -57,7 +57,14 @@ most the transfer's size at `TRANSFER_RATE_FLOOR`, should the two transfers
 not be each other's). A nudge travels as the data does, in order, so one
 sent after a large send waits behind its data: a large send or receive
 posted while its rank was quiet is preceded by a nudge, since its peer may
-be backing off (`MpiTransport._nudge_if_quiet`).
+be backing off (`MpiTransport._nudge_if_quiet`). A native put or get is a
+transfer too, but its target has no request of its own to see it by: the
+origin nudges the target whenever it issues one (`NativeRma.start`).
+
+A held pass that finds nothing, where no completion waits to be handed over,
+is followed by bare progress calls (`Engine._poke`), a quarter of a pass
+each: MPICH moves a large put into a passive target, or a message without
+CMA, a fragment per call, so the calls' density sets the speed.
 
 Sends that timed out but that MPI still holds (*orphans*, see transport.py)
 are kept apart from the live requests and tested only every
@@ -112,6 +119,8 @@ COMPACT_SLACK = 16  # holes a request list may hold beyond as many as its reques
 TRANSFER_SIZE = 64 * 1024  # a request moving this many bytes or more is a transfer ...
 TRANSFER_RATE = 1e9  # ... which holds the backoff for SPIN + its size at this rate (B/s),
 TRANSFER_RATE_FLOOR = 1e8  # ... and answers its peer's nudges for its size at this rate
+POKES = 256  # bare progress calls after a held pass that found nothing (Engine._poke),
+LOOK_EVERY = 8  # ... looking at the front's requests every this many
 
 # Read once: through the module, each use costs a dictionary and an attribute lookup.
 _REQUEST_NULL: Final = MPI.REQUEST_NULL
@@ -255,6 +264,10 @@ class Backoff:
         now = time.monotonic()
         return self._idle(now) < SPIN or now < self._held_until
 
+    def held(self) -> bool:
+        """Whether a transfer, this rank's or a peer's, holds the backoff now."""
+        return time.monotonic() < self._held_until
+
     def pause(self) -> float:
         """The pause before the next pass while user messages are outstanding."""
         now = time.monotonic()
@@ -308,6 +321,11 @@ class Engine:
         # after making it, under this condition's lock: no wake-up is lost.
         self.wake = threading.Condition()
         self.backoff = Backoff()
+        # For bare progress (`_poke`): a receive that nothing ever matches, on a
+        # communicator of this rank alone.
+        self._poke_comm = MPI.COMM_SELF.Dup()
+        self._poke_buffer = bytearray(1)
+        self._poke_request = self._poke_comm.Irecv(self._poke_buffer, 0, 0)
         self._add_entry = self._add  # bound once: thread mode calls it for every message
         strategies: dict[str, Callable[[Engine, asyncio.AbstractEventLoop], Progress]] = {
             "poll": PollProgress, "thread": ThreadProgress, "manual": ManualProgress}
@@ -438,10 +456,19 @@ class Engine:
 
     # -- one pass ------------------------------------------------------------------------
 
-    def test(self) -> bool:
-        """Run queued calls, test every request, run the actions; True if anything moved."""
+    def test(self, poke: bool = False) -> bool:
+        """Run queued calls, test every request, run the actions; True if anything moved.
+
+        With `poke`, a pass that found nothing while a transfer holds the backoff is
+        followed by bare progress (`_poke`). Only where nothing found before waits to
+        be handed over: pokes that wait for the next completion would hold back the
+        delivery of the last one (at 64 KiB, a ping-pong lost a quarter of its speed).
+        """
         try:
-            return self._pass()
+            moved = self._pass()
+            if poke and not moved and self.backoff.held():
+                self._poke()
+            return moved
         finally:
             self._on_pass_end()
 
@@ -475,6 +502,35 @@ class Engine:
         if moved:
             self.backoff.moved()
         return moved
+
+    def _poke(self) -> None:
+        """Run MPI's progress up to `POKES` times, until a request of the front completes.
+
+        While a transfer holds the backoff, MPICH may move a large message a fragment
+        per MPI call: a passive target's native put or get always, a two-sided one
+        without CMA. The time between calls then sets the speed: a target that tested
+        every 1, 2 or 4 us took in a 4 MiB put at 51, 37 and 21 % of the speed of one
+        sitting in MPI, and one that poked so, at 97 % (`bench/rma_target.py`); a pass
+        costs a few microseconds.
+        A bare call, `MPI_Request_get_status` on a receive that nothing matches,
+        costs a quarter of one; every `LOOK_EVERY` calls, `MPI_Request_get_status_any`
+        over the front (0.6 us for six requests) looks whether one completed, which
+        the next pass then finds (neither frees a request). Work handed to the
+        progress context (thread mode) ends the pokes too, and so does a request
+        that completed in error, for which the look raises.
+        """
+        if self._live.changed or self._standing.changed:
+            return  # the front is out of date: the next pass makes it again
+        front, look = self._front, MPI.Request.Get_status_any
+        progress = self._poke_request.Get_status
+        try:
+            for _ in range(POKES // LOOK_EVERY):
+                if self._inbox or look(front)[1]:
+                    return
+                for _ in range(LOOK_EVERY - 1):
+                    progress()
+        except MPI.Exception:
+            pass  # a request completed in error (a truncated receive): the next pass reports it
 
     def _test_live(self) -> bool:
         """Test the oldest `FRONT` user requests and the transport's own, and now and
@@ -585,6 +641,12 @@ class Engine:
             if not self._inbox and not self._live and not self._standing:
                 return
 
+    def free(self) -> None:
+        """After `drain`: release the engine's own MPI objects."""
+        self._poke_request.Cancel()
+        self._poke_request.Wait()
+        self._poke_comm.Free()
+
     def cancel(self, entry: Entry) -> None:
         """Cancel an outstanding receive, once however often asked (progress context only).
 
@@ -642,7 +704,7 @@ class Progress(abc.ABC):
     def stop(self) -> None: ...
 
 
-def loop_slice(engine: Engine, test: Callable[[], bool]) -> None:
+def loop_slice(engine: Engine, test: Callable[[bool], bool]) -> None:
     """The passes of one callback on the event loop: one, or while user messages are
     outstanding (and passes not backing off), more for up to SLICE.
 
@@ -652,15 +714,27 @@ def loop_slice(engine: Engine, test: Callable[[], bool]) -> None:
     messages arriving together completes in one callback, and each task that
     awaits them wakes once. The pass after the last completion finds nothing and
     ends the slice; a pass that leaves no user message outstanding ends it at once.
+
+    A held rank may have nothing of its own outstanding: the target of a peer's
+    native put or get, which MPICH moves a fragment per MPI call of the target.
+    One pass per turn of the loop moved a 4 MiB put at 29 % of the speed of a
+    target that sits in MPI (`bench/rma_target.py`), so such a rank follows a
+    pass that found nothing with bare progress (`Engine._poke`), once per turn.
+    Not for a whole slice: a rank whose own messages have just completed may be
+    held too, and its loop has their tasks to run (spinning a slice there made
+    some emulated puts of 64 KiB take 300-600 us instead of 100).
     """
-    moved = test()
-    if not (engine.user_outstanding and engine.backoff.spinning()):
+    moved = test(False)
+    backoff = engine.backoff
+    if not (engine.user_outstanding and backoff.spinning()):
+        if not moved and backoff.held():
+            test(True)  # a target's pokes, once per turn: the loop may have work waiting
         return
     give_up = time.monotonic() + SLICE
     while not moved and time.monotonic() < give_up:
-        moved = test()
+        moved = test(True)  # nothing to hand over yet: held, a pass may poke
     while moved and engine.user_outstanding and time.monotonic() < give_up:
-        moved = test()
+        moved = test(False)
 
 
 class PollProgress(Progress):
@@ -838,13 +912,13 @@ class ThreadProgress(Progress):
             if engine.user_outstanding:
                 self._wake_thread()  # the loop gave up: the thread carries on, backing off
 
-    def _loop_test(self) -> bool:
+    def _loop_test(self, poke: bool) -> bool:
         # If the thread is in a pass, wait for its end: a pass is short and never blocks,
         # and waiting releases the GIL that the pass needs. (Trying the lock in a spin
         # instead kept the GIL from the thread for the whole spin: pingping and put/get
         # in thread mode went 1.5-2x slower.)
         with self._pass_lock:
-            return self.engine.test()
+            return self.engine.test(poke)
 
     # -- the thread's passes -------------------------------------------------------------
 
@@ -868,7 +942,7 @@ class ThreadProgress(Progress):
                     return
             try:
                 with self._pass_lock:
-                    engine.test()
+                    engine.test(True)
             except Exception as exc:  # a fault in the pass itself: log it, keep progressing
                 logger.exception("mate: MPI progress pass failed", exc_info=exc)
             if engine.has_calls():

@@ -2,11 +2,13 @@
 emulated from it on.
 
 Why two. MPICH moves a passive-target `Rput`/`Rget` only while the *target's*
-library runs. A target driven from an event loop makes one MPI call per turn
-of its loop, between the application's work, so a large native transfer
-crawls: `bench/rma_target.py` measures a 4 MiB `Rput` at a fraction of its
-speed against a target that sits in MPI (docs/benchmarks.md). The emulated
-protocol moves a large transfer as one two-sided message into (or out of) the
+library runs, a fragment per MPI call. A target driven from an event loop
+makes one MPI call per turn of its loop, so a large native transfer crawls
+(`bench/rma_target.py`: a 4 MiB `Rput` at 29 % of its speed against a target
+that sits in MPI). The origin now tells the target (a nudge), which then
+pokes MPI's progress between passes (`mate.transports.mpi.progress`), and a
+large native put reaches 0.8-0.9x raw; the emulated protocol still does
+better, moving a large transfer as one two-sided message into (or out of) the
 region, which MPICH carries at full speed with the same target, at the price
 of a request and a reply. Small transfers are the other way round: native
 costs one flush, emulated a round trip of control messages. `rma_threshold`

@@ -33,7 +33,7 @@ from mate.transports.mpi.control import (
     Table,
     TableRequest,
 )
-from mate.transports.mpi.progress import Engine
+from mate.transports.mpi.progress import TRANSFER_SIZE, Engine
 from mate.transports.mpi.reports import Reporter
 from mate.transports.mpi.rma import CallOnLoop, Rma, RmaOp
 
@@ -81,6 +81,10 @@ class NativeRma(Rma):
             self.refuse(op)
             return
         target = (op.address, n, MPI.BYTE)
+        if n >= TRANSFER_SIZE and self.engine.nudge is not None:
+            # A passive target sees no sign of the operation, yet MPICH moves it only
+            # inside the target's MPI calls: told now, the target polls without pause.
+            self.engine.nudge(peer, n)
         try:
             if op.op is Op.PUT:
                 request = self.win.Rput(state.data, peer, target)
@@ -93,7 +97,7 @@ class NativeRma(Rma):
             self.submitted(op)  # MPI reads the copy
         self.issued += 1
         self.engine.add(request, lambda _op, status, error: self.local_done(op, error),
-                        owner=op)
+                        owner=op, peer=peer, nbytes=n)
 
     def local_done(self, op: Operation, error: MPI.Exception | None) -> None:
         self.issued -= 1

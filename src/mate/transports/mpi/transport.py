@@ -313,6 +313,7 @@ class MpiTransport(Transport):
         # up cannot be cancelled: they stay with MPI.
         self.engine.cancel_receives(standing=True)
         self.engine.drain(time.monotonic() + 0.2)
+        self.engine.free()
         if met:
             self.rma.free()
             self.comm.Free()

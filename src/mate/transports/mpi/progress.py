@@ -61,10 +61,13 @@ be backing off (`MpiTransport._nudge_if_quiet`). A native put or get is a
 transfer too, but its target has no request of its own to see it by: the
 origin nudges the target whenever it issues one (`NativeRma.start`).
 
-A held pass that finds nothing, where no completion waits to be handed over,
-is followed by bare progress calls (`Engine._poke`), a quarter of a pass
-each: MPICH moves a large put into a passive target, or a message without
-CMA, a fragment per call, so the calls' density sets the speed.
+While a native put or get of `TRANSFER_SIZE` or more is under way, at its
+origin and (told by the nudge) at its target, a pass that finds nothing,
+where no completion waits to be handed over, is followed by bare progress
+calls (`Engine._poke`), a quarter of a pass each: MPICH moves such an
+operation a fragment per call, so the calls' density sets its speed. Not for
+two-sided transfers: there they cost an emulated put of 64 KiB a third of its
+speed, and MPICH moves a message with CMA in one call.
 
 Sends that timed out but that MPI still holds (*orphans*, see transport.py)
 are kept apart from the live requests and tested only every
@@ -119,7 +122,7 @@ COMPACT_SLACK = 16  # holes a request list may hold beyond as many as its reques
 TRANSFER_SIZE = 64 * 1024  # a request moving this many bytes or more is a transfer ...
 TRANSFER_RATE = 1e9  # ... which holds the backoff for SPIN + its size at this rate (B/s),
 TRANSFER_RATE_FLOOR = 1e8  # ... and answers its peer's nudges for its size at this rate
-POKES = 256  # bare progress calls after a held pass that found nothing (Engine._poke),
+POKES = 256  # bare progress calls after a pass that found nothing (Engine._poke),
 LOOK_EVERY = 8  # ... looking at the front's requests every this many
 
 # Read once: through the module, each use costs a dictionary and an attribute lookup.
@@ -148,11 +151,12 @@ class Transfer:
     """A request that moves `nbytes` (at least `TRANSFER_SIZE`) with `peer`: when to
     nudge the peer next, and after how long a wait (doubled at every nudge)."""
 
-    __slots__ = ("answer_until", "nbytes", "nudge_at", "peer", "wait")
+    __slots__ = ("answer_until", "nbytes", "nudge_at", "one_sided", "peer", "wait")
 
-    def __init__(self, peer: int, nbytes: int) -> None:
+    def __init__(self, peer: int, nbytes: int, one_sided: bool) -> None:
         self.peer = peer
         self.nbytes = nbytes
+        self.one_sided = one_sided  # a native put or get: pokes between passes (_poke)
         self.wait = SPIN  # before the next nudge
         self.nudge_at = math.inf  # set when the engine takes the request in
         self.answer_until: float | None = None  # the peer's nudges are answered until then
@@ -312,6 +316,7 @@ class Engine:
         self._after_pass: list[tuple[Callable[[], None], Any]] = []
         self._transfers: list[Entry] = []  # entries with a transfer, possibly completed,
         self._nudge_due = math.inf  # ... and the soonest time one of them nudges
+        self._poke_until = 0.0  # native RMA asks for bare progress until then (_poke)
         #: Tells `peer` that a transfer of `nbytes` with it is under way (the transport's
         #: control message); None: nobody to tell, transfers only hold this rank's backoff.
         self.nudge: Callable[[int, int], None] | None = None
@@ -343,14 +348,16 @@ class Engine:
 
     def add(self, request: MPI.Request, action: Action, *, owner: Any = None,
             standing: bool = False, receive: bool = False, peer: int | None = None,
-            nbytes: int = 0) -> Entry:
+            nbytes: int = 0, one_sided: bool = False) -> Entry:
         """Test `request` from now on; run `action(owner, status, error)` when it completes.
 
         A request that moves `nbytes` >= `TRANSFER_SIZE` with one known `peer` is a
-        transfer (see the module's docstring). The returned entry is the request's
+        transfer (see the module's docstring); a `one_sided` one (a native put or
+        get) has passes poke while it lasts. The returned entry is the request's
         handle for `disown`.
         """
-        transfer = (Transfer(peer, nbytes) if nbytes >= TRANSFER_SIZE and peer is not None
+        transfer = (Transfer(peer, nbytes, one_sided)
+                    if nbytes >= TRANSFER_SIZE and peer is not None
                     else None)
         entry = Entry(request, action, owner, standing, receive, transfer)
         if self._progress.threaded:
@@ -365,16 +372,23 @@ class Engine:
         self.backoff.moved()
         transfer = entry.transfer
         if transfer is not None:
-            self.backoff.hold(transfer_hold(transfer.nbytes))
-            transfer.nudge_at = time.monotonic() + transfer.wait
+            hold = transfer_hold(transfer.nbytes)
+            self.backoff.hold(hold)
+            now = time.monotonic()
+            if transfer.one_sided:
+                self._poke_until = max(self._poke_until, now + hold)
+            transfer.nudge_at = now + transfer.wait
             self._nudge_due = min(self._nudge_due, transfer.nudge_at)
             self._transfers.append(entry)
 
     def nudged(self, peer: int, nbytes: int) -> None:
         """`peer` nudged: a transfer of `nbytes` with it has not crossed yet (progress
-        context). Hold the backoff; answer soon if this rank has a transfer with it."""
-        self.backoff.hold(transfer_hold(nbytes))
+        context). Hold the backoff, and poke between passes meanwhile (`_poke`); answer
+        soon if this rank has a transfer with it."""
+        hold = transfer_hold(nbytes)
+        self.backoff.hold(hold)
         now = time.monotonic()
+        self._poke_until = max(self._poke_until, now + hold)
         for entry in self._transfers:
             transfer = entry.transfer
             assert transfer is not None
@@ -456,17 +470,22 @@ class Engine:
 
     # -- one pass ------------------------------------------------------------------------
 
+    def poking(self) -> bool:
+        """Whether a native put or get, this rank's or (by its nudge) a peer's, asks for
+        bare progress between passes now."""
+        return time.monotonic() < self._poke_until
+
     def test(self, poke: bool = False) -> bool:
         """Run queued calls, test every request, run the actions; True if anything moved.
 
-        With `poke`, a pass that found nothing while a transfer holds the backoff is
-        followed by bare progress (`_poke`). Only where nothing found before waits to
+        With `poke`, a pass that found nothing while a native put or get asks for it
+        (`poking`) is followed by bare progress (`_poke`). Only where nothing found before waits to
         be handed over: pokes that wait for the next completion would hold back the
         delivery of the last one (at 64 KiB, a ping-pong lost a quarter of its speed).
         """
         try:
             moved = self._pass()
-            if poke and not moved and self.backoff.held():
+            if poke and not moved and self.poking():
                 self._poke()
             return moved
         finally:
@@ -506,9 +525,8 @@ class Engine:
     def _poke(self) -> None:
         """Run MPI's progress up to `POKES` times, until a request of the front completes.
 
-        While a transfer holds the backoff, MPICH may move a large message a fragment
-        per MPI call: a passive target's native put or get always, a two-sided one
-        without CMA. The time between calls then sets the speed: a target that tested
+        MPICH moves a large native put or get a fragment per MPI call, at its origin
+        and at its passive target. The time between calls then sets the speed: a target that tested
         every 1, 2 or 4 us took in a 4 MiB put at 51, 37 and 21 % of the speed of one
         sitting in MPI, and one that poked so, at 97 % (`bench/rma_target.py`); a pass
         costs a few microseconds.
@@ -719,7 +737,8 @@ def loop_slice(engine: Engine, test: Callable[[bool], bool]) -> None:
     native put or get, which MPICH moves a fragment per MPI call of the target.
     One pass per turn of the loop moved a 4 MiB put at 29 % of the speed of a
     target that sits in MPI (`bench/rma_target.py`), so such a rank follows a
-    pass that found nothing with bare progress (`Engine._poke`), once per turn.
+    pass that found nothing with bare progress (`Engine._poke`), once per turn,
+    while the put's nudge asks for it (`Engine.poking`).
     Not for a whole slice: a rank whose own messages have just completed may be
     held too, and its loop has their tasks to run (spinning a slice there made
     some emulated puts of 64 KiB take 300-600 us instead of 100).
@@ -727,7 +746,7 @@ def loop_slice(engine: Engine, test: Callable[[bool], bool]) -> None:
     moved = test(False)
     backoff = engine.backoff
     if not (engine.user_outstanding and backoff.spinning()):
-        if not moved and backoff.held():
+        if not moved and engine.poking():
             test(True)  # a target's pokes, once per turn: the loop may have work waiting
         return
     give_up = time.monotonic() + SLICE

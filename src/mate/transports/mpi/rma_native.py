@@ -97,7 +97,7 @@ class NativeRma(Rma):
             self.submitted(op)  # MPI reads the copy
         self.issued += 1
         self.engine.add(request, lambda _op, status, error: self.local_done(op, error),
-                        owner=op, peer=peer, nbytes=n)
+                        owner=op, peer=peer, nbytes=n, one_sided=True)
 
     def local_done(self, op: Operation, error: MPI.Exception | None) -> None:
         self.issued -= 1

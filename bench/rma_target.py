@@ -68,20 +68,7 @@ def target_spin(comm: MPI.Intracomm) -> None:
 
 
 def target_loop(comm: MPI.Intracomm) -> None:
-    async def main() -> None:
-        comm.Barrier()
-        request = comm.Irecv(bytearray(1), 0, DONE_TAG)
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-
-        def poll() -> None:
-            if request.Test():
-                done.set_result(None)
-            else:
-                loop.call_soon(poll)
-        loop.call_soon(poll)
-        await done
-    asyncio.run(main())
+    loop_turns(comm, MPI.Request.Test, 0.0)
 
 
 def target_idle(comm: MPI.Intracomm) -> None:
@@ -93,9 +80,11 @@ def target_idle(comm: MPI.Intracomm) -> None:
     asyncio.run(main())
 
 
-def loop_turns(comm: MPI.Intracomm, between: Callable[[MPI.Request], bool]) -> None:
+def loop_turns(comm: MPI.Intracomm, between: Callable[[MPI.Request], bool],
+               seconds: float = SLICE) -> None:
     """An asyncio loop whose every turn calls `between(request)` (True: the request
-    completed) for up to SLICE, the request being the receive of the origin's end."""
+    completed) once and then again for up to `seconds`, the request being the
+    receive of the origin's end."""
     async def main() -> None:
         comm.Barrier()
         request = comm.Irecv(bytearray(1), 0, DONE_TAG)
@@ -103,12 +92,12 @@ def loop_turns(comm: MPI.Intracomm, between: Callable[[MPI.Request], bool]) -> N
         done = loop.create_future()
 
         def turn() -> None:
-            give_up = time.perf_counter() + SLICE
-            while time.perf_counter() < give_up:
-                if between(request):
-                    done.set_result(None)
+            give_up = time.perf_counter() + seconds
+            while not between(request):
+                if time.perf_counter() >= give_up:
+                    loop.call_soon(turn)
                     return
-            loop.call_soon(turn)
+            done.set_result(None)
         loop.call_soon(turn)
         await done
     asyncio.run(main())

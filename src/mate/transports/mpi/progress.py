@@ -268,10 +268,6 @@ class Backoff:
         now = time.monotonic()
         return self._idle(now) < SPIN or now < self._held_until
 
-    def held(self) -> bool:
-        """Whether a transfer, this rank's or a peer's, holds the backoff now."""
-        return time.monotonic() < self._held_until
-
     def pause(self) -> float:
         """The pause before the next pass while user messages are outstanding."""
         now = time.monotonic()
@@ -479,9 +475,10 @@ class Engine:
         """Run queued calls, test every request, run the actions; True if anything moved.
 
         With `poke`, a pass that found nothing while a native put or get asks for it
-        (`poking`) is followed by bare progress (`_poke`). Only where nothing found before waits to
-        be handed over: pokes that wait for the next completion would hold back the
-        delivery of the last one (at 64 KiB, a ping-pong lost a quarter of its speed).
+        (`poking`) is followed by bare progress (`_poke`). Callers ask for it only
+        where no earlier completion waits to be handed over (`loop_slice`): pokes
+        that wait for the next completion would hold back the delivery of the last
+        (at 64 KiB, a ping-pong lost a quarter of its speed).
         """
         try:
             moved = self._pass()
@@ -526,16 +523,16 @@ class Engine:
         """Run MPI's progress up to `POKES` times, until a request of the front completes.
 
         MPICH moves a large native put or get a fragment per MPI call, at its origin
-        and at its passive target. The time between calls then sets the speed: a target that tested
-        every 1, 2 or 4 us took in a 4 MiB put at 51, 37 and 21 % of the speed of one
-        sitting in MPI, and one that poked so, at 97 % (`bench/rma_target.py`); a pass
-        costs a few microseconds.
-        A bare call, `MPI_Request_get_status` on a receive that nothing matches,
-        costs a quarter of one; every `LOOK_EVERY` calls, `MPI_Request_get_status_any`
-        over the front (0.6 us for six requests) looks whether one completed, which
-        the next pass then finds (neither frees a request). Work handed to the
-        progress context (thread mode) ends the pokes too, and so does a request
-        that completed in error, for which the look raises.
+        and at its passive target. The time between calls then sets the speed: a
+        target that tested every 1, 2 or 4 us took in a 4 MiB put at 51, 37 and 21 %
+        of the speed of one sitting in MPI, and one that poked so, at 97 %
+        (`bench/rma_target.py`); a pass costs a few microseconds. A bare call,
+        `MPI_Request_get_status` on a receive that nothing matches, costs a quarter
+        of one; every `LOOK_EVERY` calls, `MPI_Request_get_status_any` over the
+        front (0.6 us for six requests) looks whether one completed, which the next
+        pass then finds (neither frees a request). Work handed to the progress
+        context (thread mode) ends the pokes too, and so does a request that
+        completed in error, for which the look raises.
         """
         if self._live.changed or self._standing.changed:
             return  # the front is out of date: the next pass makes it again
@@ -733,25 +730,25 @@ def loop_slice(engine: Engine, test: Callable[[bool], bool]) -> None:
     awaits them wakes once. The pass after the last completion finds nothing and
     ends the slice; a pass that leaves no user message outstanding ends it at once.
 
-    A held rank may have nothing of its own outstanding: the target of a peer's
-    native put or get, which MPICH moves a fragment per MPI call of the target.
+    A rank may have nothing of its own outstanding and yet be the target of a
+    peer's native put or get, which MPICH moves a fragment per MPI call of the
+    target.
     One pass per turn of the loop moved a 4 MiB put at 29 % of the speed of a
     target that sits in MPI (`bench/rma_target.py`), so such a rank follows a
     pass that found nothing with bare progress (`Engine._poke`), once per turn,
     while the put's nudge asks for it (`Engine.poking`).
-    Not for a whole slice: a rank whose own messages have just completed may be
-    held too, and its loop has their tasks to run (spinning a slice there made
-    some emulated puts of 64 KiB take 300-600 us instead of 100).
+    Not for a whole slice: the loop may have work waiting, the tasks of messages
+    that just completed (spinning a slice on every held rank made some emulated
+    puts of 64 KiB take 300-600 us instead of 100).
     """
     moved = test(False)
-    backoff = engine.backoff
-    if not (engine.user_outstanding and backoff.spinning()):
+    if not (engine.user_outstanding and engine.backoff.spinning()):
         if not moved and engine.poking():
             test(True)  # a target's pokes, once per turn: the loop may have work waiting
         return
     give_up = time.monotonic() + SLICE
     while not moved and time.monotonic() < give_up:
-        moved = test(True)  # nothing to hand over yet: held, a pass may poke
+        moved = test(True)  # nothing to hand over yet: a pass may poke
     while moved and engine.user_outstanding and time.monotonic() < give_up:
         moved = test(False)
 

@@ -83,7 +83,7 @@ class NativeRma(Rma):
         target = (op.address, n, MPI.BYTE)
         if n >= TRANSFER_SIZE and self.engine.nudge is not None:
             # A passive target sees no sign of the operation, yet MPICH moves it only
-            # inside the target's MPI calls: told now, the target polls without pause.
+            # inside the target's MPI calls: told now, the target pokes (progress.py).
             self.engine.nudge(peer, n)
         try:
             if op.op is Op.PUT:

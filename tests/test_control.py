@@ -20,6 +20,8 @@ from mate.transports.mpi import control as c
     c.PutRequest(20, 0x3000, 1 << 22),
     c.Reply(True, 21),
     c.Reply(False),
+    c.Nudge(1 << 22, True),
+    c.Nudge(1 << 16, False),
 ])
 def test_every_message_round_trips(message: c.Control) -> None:
     data = message.encode()

@@ -88,7 +88,7 @@ def test_every_receive_completes_once_with_its_own_status_in_any_order(
     nor do the bare progress calls of passes that find nothing (Engine._poke)."""
     r = Recorder()
     if poking:  # a peer's native put of a minute's worth: pokes all along
-        r.engine.nudged(1, int(60 * progress.TRANSFER_RATE))
+        r.engine.nudged(1, int(60 * progress.TRANSFER_RATE), True)
     try:
         for tag in range(count):
             r.receive(tag)
@@ -203,7 +203,7 @@ def nudges_over(recorder: Recorder, seconds: float, start: float | None = None) 
     they sent, from `start`."""
     sent: list[float] = []
     start = time.monotonic() if start is None else start
-    recorder.engine.nudge = lambda peer, nbytes: sent.append(time.monotonic() - start)
+    recorder.engine.nudge = lambda peer, nbytes, one_sided: sent.append(time.monotonic() - start)
     while time.monotonic() - start < seconds:
         recorder.engine.test()
     return sent
@@ -242,11 +242,11 @@ def test_a_peers_nudge_is_answered_by_the_transfers_with_that_peer_only(
     large_receive(recorder, 1, peer=0)
     large_receive(recorder, 2, peer=3)
     sent: list[int] = []
-    recorder.engine.nudge = lambda peer, nbytes: sent.append(peer)
+    recorder.engine.nudge = lambda peer, nbytes, one_sided: sent.append(peer)
     start = time.monotonic()
     while len(sent) < 2:  # both transfers' first nudges; the next come 4 ms later
         recorder.engine.test()
-    recorder.engine.nudged(0, progress.TRANSFER_SIZE)  # rank 0 says its end is posted
+    recorder.engine.nudged(0, progress.TRANSFER_SIZE, False)  # rank 0: its end is posted
     while time.monotonic() - start < progress.SPIN * 2.5:
         recorder.engine.test()
     # Rank 0's transfer answered SPIN after that nudge, at ~4 ms, before the wait of
@@ -276,7 +276,7 @@ def test_a_held_rank_with_nothing_of_its_own_pokes_once_per_callback(
     before = recorder.engine.passes
     progress.loop_slice(recorder.engine, recorder.engine.test)
     assert recorder.engine.passes == before + 1  # not held: one pass per callback
-    recorder.engine.nudged(0, progress.TRANSFER_SIZE)
+    recorder.engine.nudged(0, progress.TRANSFER_SIZE, True)
     pokes: list[bool] = []
 
     def test(poke: bool) -> bool:
@@ -306,10 +306,13 @@ def test_a_poke_leaves_a_receive_that_failed_to_the_next_pass(recorder: Recorder
 def test_only_native_puts_and_gets_have_passes_poke(recorder: Recorder) -> None:
     """Pokes pay where MPICH moves a transfer a fragment per call whatever the rank
     does (a native put or get, at both ends); for two-sided messages they cost an
-    emulated put of 64 KiB a third of its speed, so a two-sided transfer only holds."""
+    emulated put of 64 KiB a third of its speed, so a two-sided transfer only holds,
+    here and at its peer, whom its nudge holds too."""
     large_receive(recorder, 1)
     recorder.engine.backoff.last_progress -= 1.0
     assert recorder.engine.backoff.pause() == 0 and not recorder.engine.poking()  # held
+    recorder.engine.nudged(0, 1 << 22, False)  # a peer's large send that has not crossed
+    assert recorder.engine.backoff.pause() == 0 and not recorder.engine.poking()
     buffer = bytearray(progress.TRANSFER_SIZE)
     recorder.buffers.append(buffer)
     request = recorder.comm.Irecv(buffer, 0, 2)  # stands in for an Rget's request

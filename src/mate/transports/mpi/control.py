@@ -174,11 +174,13 @@ class Abandon(_Fixed):
 @attrs.frozen
 class Nudge(_Fixed):
     """Either end of a large message -> the other: it has not crossed yet; do not back
-    off for a while (see `mate.transports.mpi.progress`, transfers)."""
+    off for a while, and if it is a native put or get (`one_sided`), poke meanwhile
+    (see `mate.transports.mpi.progress`, transfers)."""
 
     KIND: ClassVar[int] = 11
-    FORMAT: ClassVar[struct.Struct] = struct.Struct("<BxxxxxxxQ")
+    FORMAT: ClassVar[struct.Struct] = struct.Struct("<BxxxxxxxQ?")
     nbytes: int
+    one_sided: bool
 
 
 Control = (TableRequest | Table | Revoke | RevokeAck | Get | GetRefused | Put | PutRequest

@@ -313,9 +313,10 @@ class Engine:
         self._transfers: list[Entry] = []  # entries with a transfer, possibly completed,
         self._nudge_due = math.inf  # ... and the soonest time one of them nudges
         self._poke_until = 0.0  # native RMA asks for bare progress until then (_poke)
-        #: Tells `peer` that a transfer of `nbytes` with it is under way (the transport's
-        #: control message); None: nobody to tell, transfers only hold this rank's backoff.
-        self.nudge: Callable[[int, int], None] | None = None
+        #: Tells `peer` that a transfer of `nbytes` with it is under way, and whether it
+        #: is a native put or get (the transport's control message); None: nobody to
+        #: tell, transfers only hold this rank's backoff.
+        self.nudge: Callable[[int, int, bool], None] | None = None
         self.passes = 0
         self.lock = Lock()  # guards the inbox (mypyc's lock: two C calls a pass)
         # A progress thread sleeps on it. Whatever makes work for the thread notifies it
@@ -372,19 +373,20 @@ class Engine:
             self.backoff.hold(hold)
             now = time.monotonic()
             if transfer.one_sided:
-                self._poke_until = max(self._poke_until, now + hold)
+                self._poke_for(now + hold)
             transfer.nudge_at = now + transfer.wait
             self._nudge_due = min(self._nudge_due, transfer.nudge_at)
             self._transfers.append(entry)
 
-    def nudged(self, peer: int, nbytes: int) -> None:
+    def nudged(self, peer: int, nbytes: int, one_sided: bool) -> None:
         """`peer` nudged: a transfer of `nbytes` with it has not crossed yet (progress
-        context). Hold the backoff, and poke between passes meanwhile (`_poke`); answer
-        soon if this rank has a transfer with it."""
+        context). Hold the backoff, and if it is a native put or get, poke between
+        passes meanwhile (`_poke`); answer soon if this rank has a transfer with it."""
         hold = transfer_hold(nbytes)
         self.backoff.hold(hold)
         now = time.monotonic()
-        self._poke_until = max(self._poke_until, now + hold)
+        if one_sided:
+            self._poke_for(now + hold)
         for entry in self._transfers:
             transfer = entry.transfer
             assert transfer is not None
@@ -392,6 +394,9 @@ class Engine:
                 transfer.wait = SPIN
                 transfer.nudge_at = min(transfer.nudge_at, now + SPIN)
                 self._nudge_due = min(self._nudge_due, transfer.nudge_at)
+
+    def _poke_for(self, until: float) -> None:
+        self._poke_until = max(self._poke_until, until)
 
     def _nudge_transfers(self, now: float) -> None:
         """Nudge the peers of the transfers that waited past their time; forget the
@@ -409,7 +414,8 @@ class Engine:
                 transfer.nudge_at = now + transfer.wait
                 self.backoff.hold(transfer_hold(transfer.nbytes))
                 if self.nudge is not None:
-                    self._guarded(entry.owner, self.nudge, transfer.peer, transfer.nbytes)
+                    self._guarded(entry.owner, self.nudge, transfer.peer, transfer.nbytes,
+                                  transfer.one_sided)
             due = min(due, transfer.nudge_at)
         self._transfers, self._nudge_due = kept, due
 

@@ -84,7 +84,7 @@ class NativeRma(Rma):
         if n >= TRANSFER_SIZE and self.engine.nudge is not None:
             # A passive target sees no sign of the operation, yet MPICH moves it only
             # inside the target's MPI calls: told now, the target pokes (progress.py).
-            self.engine.nudge(peer, n)
+            self.engine.nudge(peer, n, True)
         try:
             if op.op is Op.PUT:
                 request = self.win.Rput(state.data, peer, target)

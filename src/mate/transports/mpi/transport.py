@@ -257,16 +257,16 @@ class MpiTransport(Transport):
         backing off, so nudge it now. Not later: a nudge sent once the data is under
         way reaches the peer behind it (see progress.py, transfers)."""
         if nbytes >= TRANSFER_SIZE and not self.engine.backoff.spinning():
-            self._nudge(peer, nbytes)
+            self._nudge(peer, nbytes, False)
 
-    def _nudge(self, peer: int, nbytes: int) -> None:
+    def _nudge(self, peer: int, nbytes: int, one_sided: bool) -> None:
         self._nudges_sent += 1
-        self.control.send(peer, Nudge(nbytes))
+        self.control.send(peer, Nudge(nbytes, one_sided))
 
     def _on_control(self, source: int, message: Control) -> None:
         if isinstance(message, Nudge):
             self._nudges_received += 1
-            self.engine.nudged(source, message.nbytes)
+            self.engine.nudged(source, message.nbytes, message.one_sided)
         else:
             self.rma.on_control(source, message)
 

@@ -369,11 +369,7 @@ class Engine:
         self.backoff.moved()
         transfer = entry.transfer
         if transfer is not None:
-            hold = transfer_hold(transfer.nbytes)
-            self.backoff.hold(hold)
-            now = time.monotonic()
-            if transfer.one_sided:
-                self._poke_for(now + hold)
+            now = self._hold(transfer.nbytes, transfer.one_sided)
             transfer.nudge_at = now + transfer.wait
             self._nudge_due = min(self._nudge_due, transfer.nudge_at)
             self._transfers.append(entry)
@@ -382,11 +378,7 @@ class Engine:
         """`peer` nudged: a transfer of `nbytes` with it has not crossed yet (progress
         context). Hold the backoff, and if it is a native put or get, poke between
         passes meanwhile (`_poke`); answer soon if this rank has a transfer with it."""
-        hold = transfer_hold(nbytes)
-        self.backoff.hold(hold)
-        now = time.monotonic()
-        if one_sided:
-            self._poke_for(now + hold)
+        now = self._hold(nbytes, one_sided)
         for entry in self._transfers:
             transfer = entry.transfer
             assert transfer is not None
@@ -395,8 +387,15 @@ class Engine:
                 transfer.nudge_at = min(transfer.nudge_at, now + SPIN)
                 self._nudge_due = min(self._nudge_due, transfer.nudge_at)
 
-    def _poke_for(self, until: float) -> None:
-        self._poke_until = max(self._poke_until, until)
+    def _hold(self, nbytes: int, one_sided: bool) -> float:
+        """Hold the backoff for a transfer of `nbytes`, and if it is a native put or get,
+        poke for as long; the time now."""
+        hold = transfer_hold(nbytes)
+        self.backoff.hold(hold)
+        now = time.monotonic()
+        if one_sided:
+            self._poke_until = max(self._poke_until, now + hold)
+        return now
 
     def _nudge_transfers(self, now: float) -> None:
         """Nudge the peers of the transfers that waited past their time; forget the

@@ -3,9 +3,12 @@ real processes under ``mate-run --transport ibverbs``, in every progress mode.""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from conftest import LAUNCHED
-from launch import run_under_mate_run
+from launch import TESTS, run_under_mate_run
 
 pytestmark = pytest.mark.skipif(LAUNCHED is not None, reason="this is the launcher")
 
@@ -43,3 +46,17 @@ def test_adversarial_under_mate_run(nranks: int, progress: str) -> None:
 @pytest.mark.parametrize("progress", PROGRESS)
 def test_contract_under_mate_run(progress: str) -> None:
     run_under_mate_run("test_contract.py", 2, {"progress": progress})
+
+
+@pytest.mark.parametrize("progress", PROGRESS)
+def test_an_unexpose_ends_when_the_peer_closed_without_reading_the_revoke(
+        progress: str) -> None:
+    """tests/programs/unread_revoke.py: the peer's device took the REVOKE, its engine
+    never read it, and it closed; the keepalive probe finds it gone."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mate.run", "-n", "2", "--transport", "ibverbs", "python",
+         str(TESTS / "programs" / "unread_revoke.py"), "--progress", progress],
+        capture_output=True, text=True, timeout=120, cwd=TESTS.parent)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert "[0] rank 0: closed with 1 frame(s) its engine never read" in done.stdout
+    assert "[1] rank 1: unexposed in" in done.stdout

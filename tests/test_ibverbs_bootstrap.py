@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from mate.transports.ibverbs import bootstrap
 
 
@@ -101,6 +103,23 @@ async def test_successive_worlds_in_one_process_meet_afresh() -> None:
     assert server.refused == 0
 
 
+async def test_once_a_rank_ended_no_world_can_form_and_its_peers_are_told() -> None:
+    server = bootstrap.Rendezvous(3)
+    await server.start()
+    try:
+        waiting = asyncio.ensure_future(_exchange_as(server.environment(0), "a"))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        server.ended(2, "1")
+        with pytest.raises(ConnectionError, match="rank 0: rank 2 ended with status 1 before"):
+            await asyncio.wait_for(waiting, 10)
+        with pytest.raises(ConnectionError, match="refused rank 1: rank 2 ended"):
+            await asyncio.wait_for(_exchange_as(server.environment(1), "b"), 10)
+        assert server.refused == 0  # they proved the secret: refused for the world, not them
+    finally:
+        await server.close()
+
+
 def test_this_process_is_left_alone() -> None:
     """The tests above simulate ranks without touching this process's environment."""
     assert not bootstrap.started_by_mate_run()
@@ -130,3 +149,24 @@ def test_mate_run_reports_a_dead_rank_and_lets_the_others_finish() -> None:
     assert done.returncode == 137
     assert "mate-run: rank 1 exited with status 137 (killed by SIGKILL)" in done.stderr
     assert sorted(done.stdout.splitlines()) == ["[0] finished 0", "[2] finished 2"]
+
+
+def test_mate_run_refuses_a_world_whose_rank_ended_instead_of_hanging() -> None:
+    """Rank 1 ends without starting; rank 0's startup fails at once, naming it."""
+    code = ("import asyncio, os, sys\n"
+            "import mate\n"
+            "if os.environ['MATE_RANK'] == '1': sys.exit(3)\n"
+            "async def main():\n"
+            "    async with mate.startup('ibverbs'):\n"
+            "        pass\n"
+            "try:\n"
+            "    asyncio.run(main())\n"
+            "except ConnectionError as exc:\n"
+            "    print('refused:', exc, flush=True)\n"
+            "    sys.exit(5)\n")
+    done = _mate_run("-n", "2", "--transport", "ibverbs", "python", "-c", code)
+    assert done.returncode == 5, done.stderr
+    assert done.stdout.splitlines() == [
+        "[0] refused: the rendezvous refused rank 0: rank 1 ended with status 3 before "
+        "every rank checked in"]
+    assert "mate-run: rank 1 exited with status 3" in done.stderr

@@ -786,6 +786,29 @@ def test_keepalive_probes_the_peers_waited_on_with_nothing_on_the_wire() -> None
     assert engine.idle()
 
 
+def test_an_unexpose_whose_ack_never_comes_probes_the_peer_and_ends() -> None:
+    """The peer's device took the REVOKE, then the peer closed before its engine saw it:
+    no work request is left on the wire, so only a probe can find the peer gone."""
+    fabric = Fabric(2, eager_size=EAGER)
+    area = expose(fabric, 0, 100)
+    op = fabric.post(1, put(b"k", 0, area.region.address))
+    fabric.run()
+    assert_completed(fabric, 1, op, 1)
+    calls: list[str] = []
+    engine = fabric.engine(0)
+    engine.unexpose(area.region, lambda: calls.append("done"))
+    while not fabric.rcq[1, 0]:  # the REVOKE lands in rank 1's receive queue ...
+        fabric.step()
+    fabric.rcq[1, 0].clear()  # ... and rank 1 is gone before its engine reads it
+    fabric.dead.add(1)
+    fabric.run()
+    assert calls == [] and engine.idle()  # the REVOKE's SEND completed: nothing is out
+    engine.keepalive()
+    assert [wr.wr_id for wr in fabric.qps[0, 1].pending] == [PROBE_BASE + 1]
+    fabric.run()
+    assert calls == ["done"]  # a lost peer counts as having acked
+
+
 def test_a_probe_that_goes_unanswered_loses_the_peer() -> None:
     fabric = Fabric(3, eager_size=EAGER)
     from_1 = fabric.post(0, recv(10, 1, 0))

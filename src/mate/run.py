@@ -21,7 +21,8 @@ processes itself, with the environment of a rendezvous it serves on loopback
 (`mate.transports.ibverbs.bootstrap`: the ranks exchange their QP endpoints
 there, guarded by a secret made for this job). Output is prefixed and ranks
 that ended badly are reported in the same way; a rank that dies does not stop
-the others.
+the others, but a rank still starting a world with it is refused (its
+`startup` fails: the world can never form).
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from mate import registry
+
+if TYPE_CHECKING:
+    from mate.transports.ibverbs.bootstrap import Rendezvous
 
 # hydra's options: leave the other ranks running when one dies (its default
 # kills them all at once), and print each rank's wait status when all ended.
@@ -229,6 +233,12 @@ async def _relay_lines(stream: asyncio.StreamReader, rank: int, out: IO[bytes]) 
         write(out, [b"[%d] %s\n" % (rank, partial)])
 
 
+async def _tell_end(process: asyncio.subprocess.Process, rank: int,
+                    rendezvous: Rendezvous) -> None:
+    """Tell the rendezvous when `rank` ends: the worlds still forming never can."""
+    rendezvous.ended(rank, in_words(await process.wait())[1])
+
+
 async def _run_local(nranks: int, program: list[str], transport: str) -> list[int]:
     from mate.transports.ibverbs.bootstrap import Rendezvous
 
@@ -246,7 +256,8 @@ async def _run_local(nranks: int, program: list[str], transport: str) -> list[in
                   for stream, out in ((process.stdout, sys.stdout.buffer),
                                       (process.stderr, sys.stderr.buffer))
                   if stream is not None]
-        await asyncio.gather(*relays)
+        ends = [_tell_end(process, rank, rendezvous) for rank, process in enumerate(processes)]
+        await asyncio.gather(*relays, *ends)
         return [await process.wait() for process in processes]
     finally:
         for process in processes:

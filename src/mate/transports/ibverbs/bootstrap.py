@@ -20,6 +20,11 @@ their own peers, as successive ``allgather`` calls would. (No rank can check
 in for the next world before every rank checked in for this one: it waits
 for this one's table.)
 
+A world forms only when all N ranks check in, so once a rank's process has
+ended (mate-run tells the rendezvous, `ended`), no world still forming can:
+its waiting ranks are answered with an error naming the rank that ended, and
+so is every later check-in. Their `startup` fails instead of waiting forever.
+
 Frames on the rendezvous socket are one JSON object per line.
 """
 
@@ -131,6 +136,7 @@ class Rendezvous:
         self.refused = 0  # connections that did not prove the secret (for tests and logs)
         # rank -> (blob, the connection waiting for the table), for the world forming now
         self._members: dict[int, tuple[Any, asyncio.StreamWriter]] = {}
+        self._gone = ""  # why no world can form any more: a rank's process ended
         self._server: asyncio.base_events.Server | None = None
         self.address = ""
 
@@ -156,6 +162,10 @@ class Rendezvous:
             members = self._members
             if not (isinstance(rank, int) and 0 <= rank < self.size) or rank in members:
                 raise PermissionError(f"bad or repeated rank {rank!r}")
+            if self._gone:
+                writer.write(_frame({"error": self._gone}))
+                writer.close()
+                return
         except (PermissionError, KeyError, TypeError, ValueError, ConnectionError,
                 asyncio.TimeoutError, RecursionError) as exc:  # (JSON nested too deep)
             self.refused += 1
@@ -174,6 +184,16 @@ class Rendezvous:
                     waiting.write(table)
                     await waiting.drain()
                 waiting.close()
+
+    def ended(self, rank: int, how: str) -> None:
+        """Rank `rank`'s process ended (`how`: its status, as mate-run words it): refuse
+        every world still forming, now and later."""
+        self._gone = self._gone or (
+            f"rank {rank} ended with status {how} before every rank checked in")
+        members, self._members = self._members, {}
+        for _, waiting in members.values():
+            waiting.write(_frame({"error": self._gone}))
+            waiting.close()
 
     async def close(self) -> None:
         if self._server is not None:

@@ -92,12 +92,13 @@ post that the device refuses (QP not in RTS) loses that peer the same way.
 
 Liveness. An RC QP learns that its peer is gone only from a work request
 that fails; a rank that merely waits on a peer (a receive from it, a
-rendezvous send waiting for its FIN, a key request) has none on the wire.
-So the driver calls `keepalive` every few seconds, and to each peer that
-operations wait on while none of our work requests is on its QP the engine
-posts a probe: a zero-length RDMA READ, which needs no key, no receive
-buffer and no CPU at the target, but must be answered by the peer's device.
-A probe that fails loses the peer.
+rendezvous send waiting for its FIN, a key request, an `unexpose` waiting for
+its REVOKE_ACK: the peer's device may have taken the REVOKE just before the
+peer closed) has none on the wire. So the driver calls `keepalive` every few
+seconds, and to each peer that operations or revokes wait on while none of
+our work requests is on its QP the engine posts a probe: a zero-length RDMA
+READ, which needs no key, no receive buffer and no CPU at the target, but
+must be answered by the peer's device. A probe that fails loses the peer.
 
 Reports. Every operation gets exactly one terminal report (`_Rec.ended`
 guards it) and at most one SUBMITTED, before it. Where submission and
@@ -486,9 +487,12 @@ class Engine:
             self._settle()
 
     def keepalive(self) -> None:
-        """Probe every peer that operations wait on while nothing of ours is on its QP."""
+        """Probe every peer that operations or revokes wait on while nothing of ours is on
+        its QP."""
+        revoking = {p for x in self._exposed.values() if x.revoking for p in x.waiting}
         for p in range(self.size):
-            if p != self.rank and self._active[p] and not self._sq[p] and not self._lost[p]:
+            if (p != self.rank and (self._active[p] or p in revoking) and not self._sq[p]
+                    and not self._lost[p]):
                 try:
                     self._wire.post_send(p, SendWR(PROBE_BASE + p, Opcode.RDMA_READ, None,
                                                    True, 0, 0))

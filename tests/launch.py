@@ -10,9 +10,11 @@ so that a failure on any rank is shown whole.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +41,28 @@ def run_under_mate_run(module: str, nranks: int, options: dict[str, object],
     _run_launched("ibverbs", launcher, module, nranks, options, timeout, extra, loop)
 
 
+def run_bounded(command: list[str], timeout: float, what: str,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `command` (a launcher, usually) in a session of its own; fail the test if it
+    outlives `timeout` seconds, once the whole session is killed: the launcher's ranks
+    too, which would otherwise run on (spinning, maybe) through the rest of the suite."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=TESTS.parent, env=env, start_new_session=True) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # mate-run passes a SIGTERM on to mpiexec's ranks; what is left of the
+            # session after a grace period (mate-run's own ranks, for ibverbs) is killed.
+            process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=10)
+            with contextlib.suppress(ProcessLookupError):  # nothing left
+                os.killpg(process.pid, signal.SIGKILL)
+            out, err = process.communicate()
+            pytest.fail(f"{what} hung for {timeout} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
 def _run_launched(transport: str, launcher: list[str], module: str, nranks: int,
                   options: dict[str, object], timeout: float, extra: tuple[str, ...],
                   loop: str) -> None:
@@ -47,12 +71,7 @@ def _run_launched(transport: str, launcher: list[str], module: str, nranks: int,
                PYTHONUNBUFFERED="1")
     command = [*launcher, "-m", "pytest", str(TESTS / module), "-q", "-p", "no:cacheprovider",
                "-x", *extra]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True,
-                              timeout=timeout, cwd=TESTS.parent)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{module} on {nranks} ranks {options} ({loop}) hung for {timeout} s:\n"
-                    f"{exc.stdout}\n{exc.stderr}")
+    done = run_bounded(command, timeout, f"{module} on {nranks} ranks {options} ({loop})", env)
     if done.returncode != 0:
         pytest.fail(f"{module} on {nranks} ranks {options} ({loop}) failed "
                     f"(exit {done.returncode}):\n{done.stdout}\n{done.stderr}")

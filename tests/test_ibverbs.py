@@ -3,12 +3,11 @@ real processes under ``mate-run --transport ibverbs``, in every progress mode.""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 from conftest import LAUNCHED
-from launch import TESTS, run_under_mate_run
+from launch import TESTS, run_bounded, run_under_mate_run
 
 pytestmark = pytest.mark.skipif(LAUNCHED is not None, reason="this is the launcher")
 
@@ -53,10 +52,10 @@ def test_an_unexpose_ends_when_the_peer_closed_without_reading_the_revoke(
         progress: str) -> None:
     """tests/programs/unread_revoke.py: the peer's device took the REVOKE, its engine
     never read it, and it closed; the keepalive probe finds it gone."""
-    done = subprocess.run(
+    done = run_bounded(
         [sys.executable, "-m", "mate.run", "-n", "2", "--transport", "ibverbs", "python",
          str(TESTS / "programs" / "unread_revoke.py"), "--progress", progress],
-        capture_output=True, text=True, timeout=120, cwd=TESTS.parent)
+        120, "unread_revoke.py")
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert "[0] rank 0: closed with 1 frame(s) its engine never read" in done.stdout
     assert "[1] rank 1: unexposed in" in done.stdout

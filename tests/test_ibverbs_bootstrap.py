@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from launch import run_bounded
 
 from mate.transports.ibverbs import bootstrap
 
@@ -126,8 +127,7 @@ def test_this_process_is_left_alone() -> None:
 
 
 def _mate_run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mate.run", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return run_bounded([sys.executable, "-m", "mate.run", *args], timeout, "mate-run")
 
 
 def test_mate_run_starts_local_ranks_with_the_rendezvous_environment() -> None:

@@ -9,15 +9,12 @@ mate-run's report of the dead rank and each rank's last words are checked.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import sys
 
 import pytest
 from conftest import LAUNCHED
-from launch import TESTS
+from launch import TESTS, run_bounded
 
 from mate.run import find_mpiexec, is_hydra
 
@@ -29,22 +26,9 @@ BOUND = 120.0  # seconds: no run may hang (each takes 1 to 8 s)
 
 
 def run(command: list[str]) -> subprocess.CompletedProcess[str]:
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          cwd=TESTS.parent, start_new_session=True) as process:
-        try:
-            out, err = process.communicate(timeout=BOUND)
-        except subprocess.TimeoutExpired:
-            # mate-run passes a SIGTERM on to mpiexec's ranks; what is left of the session
-            # (its own ranks, for ibverbs) is killed: a hung run leaves nothing behind.
-            process.terminate()
-            try:
-                out, err = process.communicate(timeout=10)
-            finally:
-                with contextlib.suppress(ProcessLookupError):  # nothing left
-                    os.killpg(process.pid, signal.SIGKILL)
-            pytest.fail(f"{command} hung for {BOUND} s:\n{out}\n{err}")
-    print(out)  # the figures: how long the survivors took to see the death
-    return subprocess.CompletedProcess(command, process.returncode, out, err)
+    done = run_bounded(command, BOUND, str(command))
+    print(done.stdout)  # the figures: how long the survivors took to see the death
+    return done
 
 
 def mate_run(*options: str) -> list[str]:

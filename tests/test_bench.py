@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from launch import run_bounded
 
 from mate.bench import cli, driver, stats
 from mate.bench.measure import Measurement, Sample, measure
@@ -616,11 +617,10 @@ def test_rate_against_raw_windows_on_two_ranks(transport: str, handlers: bool,
     """Two launched ranks, beside raw Issend/Irecv windows in the same run."""
     path = tmp_path / "rate.json"
     env = {k: v for k, v in os.environ.items() if k != cli.PROGRESS_ENV}
-    done = subprocess.run(
+    done = run_bounded(
         [sys.executable, "-m", "mate.bench", "rate", "--transport", transport, "--baseline",
          "--sizes", "8,64K", "--window", "16", "--min-time", "0.001", "--repetitions", "2",
-         "--json", str(path), *(["--handlers"] if handlers else [])],
-        capture_output=True, text=True, timeout=300, env=env)
+         "--json", str(path), *(["--handlers"] if handlers else [])], 300, "mate-bench rate", env)
     assert done.returncode == 0, done.stdout + done.stderr
     obj = json.loads(path.read_text())
     check_schema(obj, baseline=True)
@@ -711,10 +711,10 @@ def test_floor_peak_and_n_half_in_the_summary() -> None:
 def test_floor_measured_in_the_same_run_on_two_ranks(tmp_path: Path, pattern: str) -> None:
     path = tmp_path / "pp.json"
     env = {k: v for k, v in os.environ.items() if k != cli.PROGRESS_ENV}
-    done = subprocess.run(
+    done = run_bounded(
         [sys.executable, "-m", "mate.bench", pattern, "--transport", "mpi", "--baseline",
          "--floor", "--sizes", "8,4K", "--min-time", "0.001", "--repetitions", "2",
-         "--json", str(path)], capture_output=True, text=True, timeout=300, env=env)
+         "--json", str(path)], 300, f"mate-bench {pattern} --floor", env)
     assert done.returncode == 0, done.stdout + done.stderr
     obj = json.loads(path.read_text())
     check_schema(obj, baseline=True)

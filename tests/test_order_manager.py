@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 from conftest import LAUNCHED
+from launch import run_bounded
 
 pytestmark = pytest.mark.skipif(LAUNCHED is not None, reason="this is the launcher")
 
@@ -36,7 +36,7 @@ def load() -> ModuleType:
 
 
 def run(command: list[str], timeout: float = 120) -> tuple[int, list[str]]:
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    done = run_bounded(command, timeout, "examples/order_manager.py")
     lines = done.stdout.strip().splitlines()
     assert lines, f"no output (exit {done.returncode}):\n{done.stderr}"
     return done.returncode, lines

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LAUNCHED
+from launch import run_bounded
 
 pytestmark = pytest.mark.skipif(LAUNCHED is not None, reason="runs its own ranks")
 
@@ -20,7 +21,7 @@ MATE_RUN = [str(Path(sys.executable).with_name("mate-run")), "-n", "2"]
 def run_script(*args: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     command = [*(launcher or []), sys.executable, str(SCRIPT), "--sizes", "0,8",
                "--rounds", "20", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return run_bounded(command, 120, "examples/pingpong.py")
 
 
 def times_verified(done: subprocess.CompletedProcess[str]) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 import pytest
 from conftest import LAUNCHED
+from launch import run_bounded
 
 import mate
 import mate.spmd
@@ -204,7 +205,7 @@ async def test_taking_back_timed_out_grants_breaks_the_count(monkeypatch: Any) -
 
 def run_script(*args: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     command = [*(launcher or []), sys.executable, str(SCRIPT), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    return run_bounded(command, 180, "examples/work_stealing.py")
 
 
 def assert_verified(done: subprocess.CompletedProcess[str]) -> str:

@@ -22,6 +22,7 @@ import pytest
 from conftest import LAUNCHED
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from launch import run_bounded
 
 import mate
 from mate.litmus import __main__ as cli
@@ -438,7 +439,7 @@ SHORT = 200
 
 
 def _launched(command: list[str]) -> str:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    done = run_bounded(command, 900, "mate.litmus")
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
     assert "no forbidden outcome" in done.stdout, done.stdout[-5000:]
     return done.stdout

@@ -17,7 +17,6 @@ import itertools
 import json
 import mmap
 import re
-import subprocess
 import sys
 import zlib
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ from typing import Any
 
 import pytest
 from conftest import LAUNCHED
+from launch import run_bounded
 
 from mate import soak
 from mate.schedule import Event, Op, Receipt, Schedule, State
@@ -35,7 +35,6 @@ from mate.world import World
 
 pytestmark = pytest.mark.skipif(LAUNCHED is not None, reason="this is the launcher")
 
-ROOT = Path(__file__).parent.parent
 MATE_RUN = str(Path(sys.executable).with_name("mate-run"))
 SUMMARY = re.compile(r"soak: (\d+) messages in ([\d.]+) s = (\d+) messages/s; (\d+) timed out, "
                      r"(\d+) cancelled, (\d+) failed; RSS start ([\d.]+) MiB, end ([\d.]+) MiB, "
@@ -439,8 +438,7 @@ SHORT = ["--messages", str(10**4)]
 
 
 def run(command: list[str], json_path: Path, timeout: float = 300) -> dict[str, Any]:
-    done = subprocess.run([*command, *SHORT, "--json", str(json_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    done = run_bounded([*command, *SHORT, "--json", str(json_path)], timeout, "mate.soak")
     lines = done.stdout.strip().splitlines()
     output = f"{done.stdout}\n{done.stderr}"
     assert done.returncode == 0, output

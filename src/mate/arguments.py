@@ -87,6 +87,8 @@ def choice(value: Any, what: str, allowed: Collection[str]) -> str:
 
 
 def _integer(value: Any, what: str, kind: str) -> int:
+    if type(value) is int:
+        return value  # the common case, without operator.index's generic call
     if isinstance(value, bool):
         raise InvalidArgument(f"{what} must be {kind}, not {value!r}")
     try:

@@ -18,7 +18,7 @@ import math
 import operator
 import re
 from collections.abc import Collection
-from typing import Any
+from typing import Any, Final
 
 from mate.constants import ANY_SOURCE, ANY_TAG, UNSET
 from mate.errors import InvalidArgument
@@ -26,7 +26,11 @@ from mate.schedule import NO_SCHEDULE, Op, Schedule
 
 ADDRESS_LIMIT = 2**64  # one past the last byte a region can hold
 # Module constants: a read through the enum class is slow on Python 3.11 (mate.message).
-_SEND, _RECV, _PUT = Op.SEND, Op.RECV, Op.PUT
+_SEND: Final = Op.SEND
+_RECV: Final = Op.RECV
+_PUT: Final = Op.PUT
+_UNSET: Final = UNSET  # imported names too: Final, they are not looked up per call
+_NO_SCHEDULE: Final = NO_SCHEDULE
 
 
 def seconds(value: Any, what: str) -> float:
@@ -45,7 +49,7 @@ def seconds(value: Any, what: str) -> float:
 def schedule(value: Any) -> Schedule:
     """A message's schedule: a `Schedule`, or None for none."""
     if value is None:
-        return NO_SCHEDULE
+        return _NO_SCHEDULE
     if not isinstance(value, Schedule):
         raise InvalidArgument(f"schedule must be a mate.Schedule or None, not {value!r}")
     return value
@@ -54,7 +58,7 @@ def schedule(value: Any) -> Schedule:
 def timeout(value: Any, checked: Schedule, default: float) -> float | None:
     """A message's seconds to its timeout, or None for none. Unset means the world's
     default when the schedule handles timeouts, else none."""
-    if value is UNSET:
+    if value is _UNSET:
         return default if checked.timeout is not None else None
     if value is None:
         return None

@@ -50,6 +50,7 @@ _FAILED: Final = Input.FAILED
 _CANCELLED: Final = Input.CANCELLED
 _TIMEOUT: Final = Input.TIMEOUT
 _COMPLETED_STATE: Final = State.COMPLETED
+_NO_SCHEDULE: Final = NO_SCHEDULE  # imported: Final, it is not looked up per message
 
 
 class Ledger:
@@ -223,7 +224,7 @@ class Ledger:
             assert self.transport is not None
             self.transport.cancel(msg)
         schedule = msg.schedule
-        if schedule is not NO_SCHEDULE:
+        if schedule is not _NO_SCHEDULE:
             for event in step.events:
                 handler, data = schedule.handler_for(event)
                 if handler is not None:

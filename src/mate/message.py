@@ -50,6 +50,9 @@ _SUBMISSION: Final = Event.SUBMISSION
 _COMPLETION: Final = Event.COMPLETION
 _TIMEOUT: Final = Event.TIMEOUT
 _FAILURE: Final = Event.FAILURE
+# Imported names, read from the module's dictionary unless made Final here.
+_TABLE: Final = TABLE
+_ADDRESS_OF: Final = address_of
 Waiters = list[asyncio.Future[None]]
 
 
@@ -150,7 +153,7 @@ class Message(Operation):
 
     def receipt_for(self, event: Event | None) -> Receipt:
         if self._address is None:
-            self._address = address_of(self.buffer)
+            self._address = _ADDRESS_OF(self.buffer)
         op = self.op
         origin = op is _PUT or op is _GET
         return _build_receipt(
@@ -205,7 +208,7 @@ class Message(Operation):
     def apply(self, inp: Input) -> Step:
         """Apply `inp` to this message; ProtocolError if it can never receive it."""
         try:
-            step = TABLE[self.origin, self._state, self._pending, inp]
+            step = _TABLE[self.origin, self._state, self._pending, inp]
         except KeyError:
             raise ProtocolError(
                 f"{inp.name} reported for {self!r} (pending {self._pending.name})"

@@ -108,22 +108,23 @@ Action = Callable[[Any, MPI.Status, "MPI.Exception | None"], None]
 #: (usually a message) that the failed call or action was about, if any.
 ErrorHandler = Callable[[BaseException, Any], None]
 
-SPIN = 0.002  # seconds of busy polling after the last progress
-SLICE = 500e-6  # longest busy poll inside one loop callback
-MAX_BACKOFF = 0.001  # longest pause between passes while user messages are outstanding,
-LONG_IDLE = 0.05  # ... until this long without progress,
-LONG_IDLE_BACKOFF = 0.004  # ... when waiting gets cheaper still (a message waited on for long)
-IDLE_INTERVAL = 0.005  # pause between passes when only standing receives are outstanding
-ORPHAN_INTERVAL = 0.05  # how often orphaned sends are tested (so MPI can free them)
-STAND_BACK = 2 * SLICE  # a progress thread leaves passes to a loop that ran one this recently
-FRONT = 4  # the oldest user requests, tested in every pass (Engine._test_live) ...
-WHOLE_EVERY = 8  # ... and all of them when those stop moving, and every this many passes
-COMPACT_SLACK = 16  # holes a request list may hold beyond as many as its requests
-TRANSFER_SIZE = 64 * 1024  # a request moving this many bytes or more is a transfer ...
-TRANSFER_RATE = 1e9  # ... which holds the backoff for SPIN + its size at this rate (B/s),
-TRANSFER_RATE_FLOOR = 1e8  # ... and answers its peer's nudges for its size at this rate
-POKES = 256  # bare progress calls after a pass that found nothing (Engine._poke),
-LOOK_EVERY = 8  # ... looking at the front's requests every this many
+# Final: compiled code reads each as a constant, not from the module's dictionary.
+SPIN: Final = 0.002  # seconds of busy polling after the last progress
+SLICE: Final = 500e-6  # longest busy poll inside one loop callback
+MAX_BACKOFF: Final = 0.001  # longest pause between passes while user messages are outstanding,
+LONG_IDLE: Final = 0.05  # ... until this long without progress,
+LONG_IDLE_BACKOFF: Final = 0.004  # ... when waiting gets cheaper still (waited on for long)
+IDLE_INTERVAL: Final = 0.005  # pause between passes when only standing receives are outstanding
+ORPHAN_INTERVAL: Final = 0.05  # how often orphaned sends are tested (so MPI can free them)
+STAND_BACK: Final = 2 * SLICE  # a progress thread leaves passes to a loop that ran one lately
+FRONT: Final = 4  # the oldest user requests, tested in every pass (Engine._test_live) ...
+WHOLE_EVERY: Final = 8  # ... and all of them when those stop moving, and every this many passes
+COMPACT_SLACK: Final = 16  # holes a request list may hold beyond as many as its requests
+TRANSFER_SIZE: Final = 64 * 1024  # a request moving this many bytes or more is a transfer ...
+TRANSFER_RATE: Final = 1e9  # ... which holds the backoff for SPIN + its size at this rate (B/s),
+TRANSFER_RATE_FLOOR: Final = 1e8  # ... and answers its peer's nudges for its size at this rate
+POKES: Final = 256  # bare progress calls after a pass that found nothing (Engine._poke),
+LOOK_EVERY: Final = 8  # ... looking at the front's requests every this many
 
 # Read once: through the module, each use costs a dictionary and an attribute lookup.
 _REQUEST_NULL: Final = MPI.REQUEST_NULL

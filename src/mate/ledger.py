@@ -53,6 +53,17 @@ _COMPLETED_STATE: Final = State.COMPLETED
 _NO_SCHEDULE: Final = NO_SCHEDULE  # imported: Final, it is not looked up per message
 
 
+class _Completed:
+    """The messages of one op that completed, and their bytes: attributes, which
+    compiled code adds to as machine integers (a list's items are objects)."""
+
+    __slots__ = ("messages", "nbytes")
+
+    def __init__(self) -> None:
+        self.messages = 0
+        self.nbytes = 0
+
+
 class Ledger:
     def __init__(self, loop: asyncio.AbstractEventLoop, handlers: str) -> None:
         self._loop = loop
@@ -70,8 +81,8 @@ class Ledger:
         self._lock = Lock()
         self._threaded = self._at_once
         self._outstanding: set[Message] = set()
-        # Counters for stats(): [messages, bytes] completed by op, and other endings.
-        self._completed = {op: [0, 0] for op in Op}
+        # Counters for stats(): messages and bytes completed by op, and other endings.
+        self._completed = {op: _Completed() for op in Op}
         self._endings = {State.TIMED_OUT: 0, State.FAILED: 0, State.CANCELLED: 0}
         self.transport: Transport | None = None  # the world's, set by attach
         self.mypid = 0
@@ -131,9 +142,9 @@ class Ledger:
     def counters(self) -> dict[str, int]:
         with self._lock:
             counters = {"outstanding": len(self._outstanding)}
-            for op, (messages, nbytes) in self._completed.items():
-                counters[f"{op.value}_messages"] = messages
-                counters[f"{op.value}_bytes"] = nbytes
+            for op, completed in self._completed.items():
+                counters[f"{op.value}_messages"] = completed.messages
+                counters[f"{op.value}_bytes"] = completed.nbytes
             counters["timed_out"] = self._endings[State.TIMED_OUT]
             counters["failed"] = self._endings[State.FAILED]
             counters["cancelled"] = self._endings[State.CANCELLED]
@@ -246,8 +257,8 @@ class Ledger:
             self._outstanding.discard(msg)
             if step.state is _COMPLETED_STATE:
                 completed = self._completed[msg.op]
-                completed[0] += 1
-                completed[1] += msg.length
+                completed.messages += 1
+                completed.nbytes += msg.length
             else:
                 self._endings[step.state] += 1
             if msg.deadline is not None:

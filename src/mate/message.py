@@ -50,10 +50,29 @@ _SUBMISSION: Final = Event.SUBMISSION
 _COMPLETION: Final = Event.COMPLETION
 _TIMEOUT: Final = Event.TIMEOUT
 _FAILURE: Final = Event.FAILURE
-# Imported names, read from the module's dictionary unless made Final here.
-_TABLE: Final = TABLE
+# An imported name is read from the module's dictionary unless made Final here.
 _ADDRESS_OF: Final = address_of
 Waiters = list[asyncio.Future[None]]
+
+#: `TABLE` by row: the step of each legal input from one (origin, state, pending), and
+#: the row that step leads to. A message keeps its row, so that applying an input is
+#: one lookup keyed by the input alone, not a 4-tuple made and hashed per change.
+Row = dict[Input, tuple[Step, "Row"]]
+
+
+def _start(origin: bool) -> Row:
+    """The row where a message starts (POSTED, nothing pending), every row that it
+    can reach built from `TABLE` and linked."""
+    rows: dict[tuple[State, Pending], Row] = {}
+    for (of_origin, state, pending, inp), step in TABLE.items():
+        if of_origin == origin:
+            after = rows.setdefault((step.state, step.pending), {})
+            rows.setdefault((state, pending), {})[inp] = (step, after)
+    return rows[State.POSTED, Pending.NONE]
+
+
+_ORIGIN_ROW: Final = _start(True)
+_OTHER_ROW: Final = _start(False)
 
 
 def _receipt_builder() -> Callable[..., Receipt]:
@@ -84,6 +103,7 @@ class Message(Operation):
         "_address",
         "_ledger",
         "_pending",
+        "_row",
         "_state",
         "_submission_waiters",
         "_waiters",
@@ -113,6 +133,7 @@ class Message(Operation):
         self.schedule = schedule
         self._state = _POSTED
         self._pending = _NO_PENDING
+        self._row: Row = _ORIGIN_ROW if self.origin else _OTHER_ROW
         self.submitted_seen = False
         # Facts the transport reports at the end; wildcards resolved at completion.
         self.length = len(buffer) if self.origin else 0
@@ -208,7 +229,7 @@ class Message(Operation):
     def apply(self, inp: Input) -> Step:
         """Apply `inp` to this message; ProtocolError if it can never receive it."""
         try:
-            step = _TABLE[self.origin, self._state, self._pending, inp]
+            step, self._row = self._row[inp]
         except KeyError:
             raise ProtocolError(
                 f"{inp.name} reported for {self!r} (pending {self._pending.name})"

@@ -169,36 +169,55 @@ class Wire(Protocol):
 
 
 # wr_id spaces: receive buffers are numbered from 0, send slots and RDMA requests above.
-SEND_BASE = 1 << 40
-RDMA_BASE = 1 << 41  # READ ids are even; a put's WRITE is its READ's id + 1
-PROBE_BASE = 1 << 42  # + the peer's rank: a keepalive probe
+SEND_BASE: Final = 1 << 40
+RDMA_BASE: Final = 1 << 41  # READ ids are even; a put's WRITE is its READ's id + 1
+PROBE_BASE: Final = 1 << 42  # + the peer's rank: a keepalive probe
 
-SCRATCH_KEEP = 64 << 20  # bytes of freed scratch buffers kept registered for reuse
-_ALL_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE
-_SCRATCH_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_READ
+SCRATCH_KEEP: Final = 64 << 20  # bytes of freed scratch buffers kept registered for reuse
+_ALL_ACCESS: Final = Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE
+_SCRATCH_ACCESS: Final = Access.LOCAL_WRITE | Access.REMOTE_READ
 
 # What a record is (`_Rec.kind`)
-_EAGER, _RDV, _RECV, _PUT, _GET = range(5)
+_EAGER: Final = 0
+_RDV: Final = 1
+_RECV: Final = 2
+_PUT: Final = 3
+_GET: Final = 4
 # Where it is (`_Rec.stage`)
-_QUEUED = 0  # in its peer's FIFO, or waiting for a key (put/get)
-_POSTED = 1  # a receive in the posted table
-_READING = 2  # a receive matched to an RTS: its READ is queued or on the wire
-_WIRE = 3  # on the wire
-_DONE = 4  # the wire is done with it and its resources are released
+_QUEUED: Final = 0  # in its peer's FIFO, or waiting for a key (put/get)
+_POSTED: Final = 1  # a receive in the posted table
+_READING: Final = 2  # a receive matched to an RTS: its READ is queued or on the wire
+_WIRE: Final = 3  # on the wire
+_DONE: Final = 4  # the wire is done with it and its resources are released
 
 # Enum members read per message, as module constants: a read through the class is
 # slow on Python 3.11 (see mate.message).
-_COMPLETED, _SUBMITTED = Input.COMPLETED, Input.SUBMITTED
-_OP_SEND, _OP_RECV, _OP_PUT = Op.SEND, Op.RECV, Op.PUT
-_EAGER_FRAME, _RTS_FRAME, _FIN_FRAME, _CREDIT_FRAME = Kind.EAGER, Kind.RTS, Kind.FIN, Kind.CREDIT
-_WR_SEND, _WR_READ, _WR_WRITE = Opcode.SEND, Opcode.RDMA_READ, Opcode.RDMA_WRITE
-_SUCCESS, _FLUSH = WcStatus.SUCCESS, WcStatus.WR_FLUSH_ERR
-_LOCAL_WRITE, _REMOTE_READ = Access.LOCAL_WRITE, Access.REMOTE_READ
+_COMPLETED: Final = Input.COMPLETED
+_SUBMITTED: Final = Input.SUBMITTED
+_OP_SEND: Final = Op.SEND
+_OP_RECV: Final = Op.RECV
+_OP_PUT: Final = Op.PUT
+_EAGER_FRAME: Final = Kind.EAGER
+_RTS_FRAME: Final = Kind.RTS
+_FIN_FRAME: Final = Kind.FIN
+_CREDIT_FRAME: Final = Kind.CREDIT
+_WR_SEND: Final = Opcode.SEND
+_WR_READ: Final = Opcode.RDMA_READ
+_WR_WRITE: Final = Opcode.RDMA_WRITE
+_SUCCESS: Final = WcStatus.SUCCESS
+_FLUSH: Final = WcStatus.WR_FLUSH_ERR
+_LOCAL_WRITE: Final = Access.LOCAL_WRITE
+_REMOTE_READ: Final = Access.REMOTE_READ
+_NO_ACCESS: Final = Access(0)
 # A NamedTuple's own __new__ runs interpreted; a frame's SendWR and SGE skip it, the
 # SendWR taking its defaulted fields (signaled, remote_addr, rkey) from here.
-_new_tuple = tuple.__new__
+_new_tuple: Final = tuple.__new__
 _SEND_DEFAULTS: Final = tuple(SendWR._field_defaults.values())
-_REASONS = {
+# Imported names read per message: Final, they are not looked up per use.
+_SGE: Final = SGE
+_SEND_WR: Final = SendWR
+_ADDRESS_OF: Final = address_of
+_REASONS: Final = {
     WcStatus.REM_ACCESS_ERR: FailureReason.REMOTE_ACCESS,
     WcStatus.WR_FLUSH_ERR: FailureReason.PEER_UNREACHABLE,
     WcStatus.RETRY_EXC_ERR: FailureReason.PEER_UNREACHABLE,
@@ -367,15 +386,15 @@ class Engine:
 
     def start(self) -> None:
         """Register the pools and post every receive buffer (before any peer connects)."""
-        recv_mr = self._pd.reg_mr(address_of(self._rview), len(self._recv_pool),
+        recv_mr = self._pd.reg_mr(_ADDRESS_OF(self._rview), len(self._recv_pool),
                                   Access.LOCAL_WRITE)
-        send_mr = self._pd.reg_mr(address_of(self._sview), len(self._send_pool),
+        send_mr = self._pd.reg_mr(_ADDRESS_OF(self._sview), len(self._send_pool),
                                   Access.LOCAL_WRITE)
         self._pool_mrs = [recv_mr, send_mr]
         self._saddr, self._slkey = send_mr.addr, send_mr.lkey
         stride = self._stride
         self._recv_wrs = [
-            RecvWR(i, SGE(recv_mr.addr + i * stride, HEADER_SIZE + self.eager_size,
+            RecvWR(i, _SGE(recv_mr.addr + i * stride, HEADER_SIZE + self.eager_size,
                           recv_mr.lkey))
             for i in range(len(self._recv_pool) // stride)
         ]
@@ -438,7 +457,7 @@ class Engine:
 
     def expose(self, buffer: memoryview) -> Region:
         """Register `buffer` for peers' put and get; VerbsError if the device refuses."""
-        address, n = address_of(buffer), len(buffer)
+        address, n = _ADDRESS_OF(buffer), len(buffer)
         mr = self._pd.reg_mr(address, n, _ALL_ACCESS) if n else None
         xid = next(self._ids) & 0x7FFFFFFF  # travels in the int32 tag field
         region = Region(self.rank, address, n)
@@ -494,7 +513,7 @@ class Engine:
             if (p != self.rank and (self._active[p] or p in revoking) and not self._sq[p]
                     and not self._lost[p]):
                 try:
-                    self._wire.post_send(p, SendWR(PROBE_BASE + p, Opcode.RDMA_READ, None,
+                    self._wire.post_send(p, _SEND_WR(PROBE_BASE + p, Opcode.RDMA_READ, None,
                                                    True, 0, 0))
                 except VerbsError as exc:
                     self._wire_failed(p, exc)
@@ -737,8 +756,8 @@ class Engine:
             self._sview[off + HEADER_SIZE:off + HEADER_SIZE + length] = data
             size += length
         try:
-            sge = _new_tuple(SGE, (self._saddr + off, size, self._slkey))
-            self._wire.post_send(p, _new_tuple(SendWR, (SEND_BASE + slot, _WR_SEND, sge,
+            sge = _new_tuple(_SGE, (self._saddr + off, size, self._slkey))
+            self._wire.post_send(p, _new_tuple(_SEND_WR, (SEND_BASE + slot, _WR_SEND, sge,
                                                         *_SEND_DEFAULTS)))
         except VerbsError:
             self._free.append(slot)
@@ -765,7 +784,7 @@ class Engine:
             if rec.scratch is not None:
                 addr, rkey = rec.scratch.addr, rec.scratch.mr.rkey
             else:
-                addr = address_of(op.buffer)
+                addr = _ADDRESS_OF(op.buffer)
                 pin = self._pin(rec, addr, n, _REMOTE_READ)
                 if pin is None:
                     return
@@ -781,33 +800,33 @@ class Engine:
             arrival = rec.arrival
             assert arrival is not None
             m = min(arrival.length, len(op.buffer))
-            addr = address_of(op.buffer)
+            addr = _ADDRESS_OF(op.buffer)
             pin = self._pin(rec, addr, m, _LOCAL_WRITE)
             if pin is None:  # the sender must hear of it, or it waits for ever
                 self._enqueue(p, (Kind.FIN, FAILED, 0, 0, arrival.msg_id, 0, 0))
                 return
-            self._wire.post_send(p, SendWR(wr_id, _WR_READ, SGE(addr, m, pin.mr.lkey),
+            self._wire.post_send(p, _SEND_WR(wr_id, _WR_READ, _SGE(addr, m, pin.mr.lkey),
                                            True, arrival.addr, arrival.rkey))
             self._sq[p] += 1
         else:
             n = len(op.buffer)
             if rec.scratch is not None:
-                local = SGE(rec.scratch.addr, n, rec.scratch.mr.lkey)
+                local = _SGE(rec.scratch.addr, n, rec.scratch.mr.lkey)
             else:
-                addr = address_of(op.buffer)
-                pin = self._pin(rec, addr, n, _LOCAL_WRITE if kind == _GET else Access(0))
+                addr = _ADDRESS_OF(op.buffer)
+                pin = self._pin(rec, addr, n, _LOCAL_WRITE if kind == _GET else _NO_ACCESS)
                 if pin is None:
                     return
-                local = SGE(addr, n, pin.mr.lkey)
+                local = _SGE(addr, n, pin.mr.lkey)
             if kind == _PUT:
                 # Unsignalled: the READ behind it completes only after the WRITE landed.
-                self._wire.post_send(p, SendWR(wr_id + 1, _WR_WRITE, local, False,
+                self._wire.post_send(p, _SEND_WR(wr_id + 1, _WR_WRITE, local, False,
                                                op.address, rec.rkey))
                 self._sq[p] += 1
-                self._wire.post_send(p, SendWR(wr_id, _WR_READ, None, True,
+                self._wire.post_send(p, _SEND_WR(wr_id, _WR_READ, None, True,
                                                op.address, rec.rkey))
             else:
-                self._wire.post_send(p, SendWR(wr_id, _WR_READ, local, True,
+                self._wire.post_send(p, _SEND_WR(wr_id, _WR_READ, local, True,
                                                op.address, rec.rkey))
             self._sq[p] += 1
             rec.stage = _WIRE
@@ -1192,7 +1211,7 @@ class Engine:
             return scratch
         view = memoryview(bytearray(size))
         try:
-            mr = self._pd.reg_mr(address_of(view), size, _SCRATCH_ACCESS)
+            mr = self._pd.reg_mr(_ADDRESS_OF(view), size, _SCRATCH_ACCESS)
         except VerbsError as exc:
             self._fail(rec, FailureReason.RESOURCES, f"cannot register a copy: {exc}")
             self._finish(rec)

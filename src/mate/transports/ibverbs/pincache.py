@@ -32,10 +32,11 @@ import bisect
 import heapq
 import itertools
 import mmap
+from typing import Final
 
 from mate.transports.ibverbs.verbs import Access, MemoryRegion, ProtectionDomain, VerbsError
 
-PAGE = mmap.PAGESIZE
+PAGE: Final = mmap.PAGESIZE
 
 
 class Pin:

@@ -41,8 +41,8 @@ from typing import Final
 
 logger = logging.getLogger("mate")
 
-SPIN = 0.002  # seconds of busy polling after the last progress (poll mode)
-MAX_BACKOFF = 0.001  # longest pause between polls while messages are outstanding
+SPIN: Final = 0.002  # seconds of busy polling after the last progress (poll mode)
+MAX_BACKOFF: Final = 0.001  # longest pause between polls while messages are outstanding
 
 #: A pass: returns True if it moved anything.
 Pass = Callable[[], bool]

@@ -168,8 +168,14 @@ __all__ = ["SoftCQ", "SoftChannel", "SoftDevice", "SoftMR", "SoftPD", "SoftQP", 
 
 _HDR: Final = struct.Struct("<BBHIIIQ")  # type, status, pad, seq, length, rkey, remote addr
 _HDR_SIZE: Final = _HDR.size
-_F_SEND, _F_WRITE, _F_READ = 1, 2, 3  # requests
-_F_ACK, _F_NAK, _F_RNR, _F_READ_RESP = 16, 17, 18, 19  # responses
+# Final: compiled code reads each as a constant, not from the module's dictionary.
+_F_SEND: Final = 1  # requests
+_F_WRITE: Final = 2
+_F_READ: Final = 3
+_F_ACK: Final = 16  # responses
+_F_NAK: Final = 17
+_F_RNR: Final = 18
+_F_READ_RESP: Final = 19
 _NAK_STATUSES: Final = frozenset({WcStatus.REM_ACCESS_ERR, WcStatus.REM_INV_REQ_ERR,
                                   WcStatus.REM_OP_ERR})
 
@@ -186,7 +192,10 @@ _INFINITE_RNR: Final = 7
 CONNECT_TIMEOUT: Final = 60.0
 
 # Receive kinds: what the payload of the frame being received is for.
-_K_DROP, _K_SEND, _K_WRITE, _K_READ_RESP = 0, 1, 2, 3
+_K_DROP: Final = 0
+_K_SEND: Final = 1
+_K_WRITE: Final = 2
+_K_READ_RESP: Final = 3
 
 _SUCCESS: Final = WcStatus.SUCCESS
 _FLUSH: Final = WcStatus.WR_FLUSH_ERR
@@ -209,10 +218,13 @@ _REMOTE_WRITE: Final = int(Access.REMOTE_WRITE)
 _REMOTE_READ: Final = int(Access.REMOTE_READ)
 _ALL_ACCESS: Final = _LOCAL_WRITE | _REMOTE_WRITE | _REMOTE_READ
 _RECV: Final = WcOpcode.RECV
-_new_tuple = tuple.__new__  # WorkCompletion without its Python-level __new__
-_memmove = buffers.memmove
-_string_at = buffers.string_at
-_monotonic = time.monotonic
+_new_tuple: Final = tuple.__new__  # WorkCompletion without its Python-level __new__
+_memmove: Final = buffers.memmove
+_string_at: Final = buffers.string_at
+_monotonic: Final = time.monotonic
+# Imported classes read per message: Final, they are not looked up per use.
+_WORK_COMPLETION: Final = WorkCompletion
+_SGE: Final = SGE
 
 
 def _seq_diff(a: int, b: int) -> int:
@@ -357,7 +369,7 @@ class SoftSRQ(SharedReceiveQueue):
         self._wqes: collections.deque[RecvWR] = collections.deque()
 
     def post_recv(self, wr: RecvWR) -> None:
-        if not isinstance(wr.sge, SGE) or wr.sge.length < 0:
+        if not isinstance(wr.sge, _SGE) or wr.sge.length < 0:
             raise VerbsError(f"bad receive work request {wr!r}")
         with self._device._lock:
             self._device._check_open()
@@ -618,7 +630,7 @@ class SoftQP(QueuePair):
     def _finish(self, req: _Req, status: WcStatus) -> None:
         if status is _SUCCESS and not req.wr.signaled:
             return
-        self._send_cq._push(_new_tuple(WorkCompletion, (req.wr.wr_id, status, req.wc_op,
+        self._send_cq._push(_new_tuple(_WORK_COMPLETION, (req.wr.wr_id, status, req.wc_op,
                                                          req.length, self.qp_num)))
 
     def _retire(self, seq: int, inclusive: bool) -> bool:
@@ -816,7 +828,7 @@ class SoftQP(QueuePair):
                                                    WcOpcode.RECV, 0, self.qp_num))
                 self._fatal(self._rx_seq, WcStatus.REM_OP_ERR)
                 return
-            self._recv_cq._push(_new_tuple(WorkCompletion, (self._rx_wr_id, _SUCCESS, _RECV,
+            self._recv_cq._push(_new_tuple(_WORK_COMPLETION, (self._rx_wr_id, _SUCCESS, _RECV,
                                                             self._rx_len, self.qp_num)))
             self._executed(self._rx_seq)
         elif kind == _K_WRITE:
@@ -878,7 +890,7 @@ class SoftQP(QueuePair):
                         _memmove(sge.addr, raddr + start, length)
                         start += length
                     self._rnr_drop = False
-                    self._recv_cq._push(_new_tuple(WorkCompletion, (wr_id, _SUCCESS, _RECV,
+                    self._recv_cq._push(_new_tuple(_WORK_COMPLETION, (wr_id, _SUCCESS, _RECV,
                                                                     length, self.qp_num)))
                     self._expected = (seq + 1) & _SEQ_MASK
                     self._ack_due = True

@@ -22,7 +22,7 @@ carries messages a rank sends to itself).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Final
 
 from librt.threading import Lock
 
@@ -48,10 +48,10 @@ from mate.transports.ibverbs.verbs import (
     WcStatus,
 )
 
-POLL_BATCH = 64
-KEEPALIVE = 1.0  # seconds between probes of peers that operations wait on (engine.keepalive)
-DRAIN_TIMEOUT = 2.0  # seconds shutdown keeps progressing for what peers are owed
-_SUCCESS = WcStatus.SUCCESS  # read per completion: an enum read through its class is slow (3.11)
+POLL_BATCH: Final = 64
+KEEPALIVE: Final = 1.0  # seconds between probes of peers that operations wait on (engine.keepalive)
+DRAIN_TIMEOUT: Final = 2.0  # seconds shutdown keeps progressing for what peers are owed
+_SUCCESS: Final = WcStatus.SUCCESS  # read per completion (an enum read through its class is slow)
 
 
 class _Wire:

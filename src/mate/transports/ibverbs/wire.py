@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 
 class ProtocolError(Exception):
@@ -44,15 +44,15 @@ class Kind(enum.IntEnum):
     CREDIT = 11  # only credits (uses the control slot, consumes no data credit)
 
 
-CREDIT_REQUEST = 1  # the sender is low on credits to the receiver: return them soon
-TRUNCATED = 2  # FIN: the receive buffer was shorter than the message
-FAILED = 4  # FIN: the read failed; the send fails too
-_FLAGS = CREDIT_REQUEST | TRUNCATED | FAILED
+CREDIT_REQUEST: Final = 1  # the sender is low on credits to the receiver: return them soon
+TRUNCATED: Final = 2  # FIN: the receive buffer was shorter than the message
+FAILED: Final = 4  # FIN: the read failed; the send fails too
+_FLAGS: Final = CREDIT_REQUEST | TRUNCATED | FAILED
 
-HEADER = struct.Struct("<IBBHH2xiQQQI4x")
-HEADER_SIZE = HEADER.size
-_KINDS = frozenset(Kind)
-_EAGER = Kind.EAGER  # read per frame: an enum read through its class is slow (3.11)
+HEADER: Final = struct.Struct("<IBBHH2xiQQQI4x")
+HEADER_SIZE: Final = HEADER.size
+_KINDS: Final = frozenset(Kind)
+_EAGER: Final = Kind.EAGER  # read per frame: an enum read through its class is slow (3.11)
 
 
 class Header(NamedTuple):
@@ -68,8 +68,9 @@ class Header(NamedTuple):
     rkey: int
 
 
-pack_into = HEADER.pack_into  # (buffer, offset, *the fields of Header in order)
-_new_tuple = tuple.__new__  # Header without NamedTuple's interpreted _make
+pack_into: Final = HEADER.pack_into  # (buffer, offset, *the fields of Header in order)
+_new_tuple: Final = tuple.__new__  # Header without NamedTuple's interpreted _make
+_HEADER_TYPE: Final = Header  # Final: not looked up per frame
 
 
 def decode(frame: bytes | bytearray | memoryview, offset: int = 0,
@@ -82,7 +83,7 @@ def decode(frame: bytes | bytearray | memoryview, offset: int = 0,
         size = len(frame) - offset
     if size < HEADER_SIZE:
         raise ProtocolError(f"a frame of {size} bytes is shorter than the header")
-    header = _new_tuple(Header, HEADER.unpack_from(frame, offset))
+    header = _new_tuple(_HEADER_TYPE, HEADER.unpack_from(frame, offset))
     if header.kind not in _KINDS:
         raise ProtocolError(f"unknown frame kind {header.kind}")
     if header.flags & ~_FLAGS:

@@ -10,34 +10,22 @@ most): the whole per-message path of poll mode, MPI included, in one process.
             python bench/self_instructions.py $n mate 2>&1 | grep Collected
     done
 
-(``floor`` instead of ``mate`` counts the floor's pattern: a loop callback that
-tests the request and resolves a future.) The difference of the two totals over
-10,000 is the count per round of one send and one receive; the smaller run
-takes out start-up. `bench/core_instructions.py` counts the core alone.
+(``floor`` instead of ``mate`` counts the floor's pattern, mate-bench's
+`await_request`: a loop callback that tests the request and resolves a
+future.) The difference of the two totals over 10,000 is the count per round
+of one send and one receive; the smaller run takes out start-up.
+`bench/core_instructions.py` counts the core alone.
 """
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 import uvloop
 from mpi4py import MPI
 
 import mate
-
-
-async def _await_request(loop: asyncio.AbstractEventLoop, request: MPI.Request) -> None:
-    future = loop.create_future()
-
-    def test() -> None:
-        if request.Test():
-            future.set_result(None)
-        else:
-            loop.call_soon(test)
-
-    loop.call_soon(test)
-    await future
+from mate.bench.patterns import await_request
 
 
 async def run(rounds: int, way: str) -> None:
@@ -49,12 +37,12 @@ async def run(rounds: int, way: str) -> None:
                 await world.send(out, 0, 0)
                 await received
             return
-        comm, loop = MPI.COMM_WORLD.Dup(), asyncio.get_running_loop()
+        comm = MPI.COMM_WORLD.Dup()
         try:
             for _ in range(rounds):
                 received = comm.Irecv(into, 0, 0)
-                await _await_request(loop, comm.Issend(out, 0, 0))
-                await _await_request(loop, received)
+                await await_request(comm.Issend(out, 0, 0))
+                await await_request(received)
         finally:
             comm.Free()
 

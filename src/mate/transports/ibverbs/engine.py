@@ -395,7 +395,7 @@ class Engine:
         stride = self._stride
         self._recv_wrs = [
             RecvWR(i, _SGE(recv_mr.addr + i * stride, HEADER_SIZE + self.eager_size,
-                          recv_mr.lkey))
+                           recv_mr.lkey))
             for i in range(len(self._recv_pool) // stride)
         ]
         for wr in self._recv_wrs:
@@ -514,7 +514,7 @@ class Engine:
                     and not self._lost[p]):
                 try:
                     self._wire.post_send(p, _SEND_WR(PROBE_BASE + p, Opcode.RDMA_READ, None,
-                                                   True, 0, 0))
+                                                     True, 0, 0))
                 except VerbsError as exc:
                     self._wire_failed(p, exc)
                     continue
@@ -758,7 +758,7 @@ class Engine:
         try:
             sge = _new_tuple(_SGE, (self._saddr + off, size, self._slkey))
             self._wire.post_send(p, _new_tuple(_SEND_WR, (SEND_BASE + slot, _WR_SEND, sge,
-                                                        *_SEND_DEFAULTS)))
+                                                          *_SEND_DEFAULTS)))
         except VerbsError:
             self._free.append(slot)
             raise
@@ -806,7 +806,7 @@ class Engine:
                 self._enqueue(p, (Kind.FIN, FAILED, 0, 0, arrival.msg_id, 0, 0))
                 return
             self._wire.post_send(p, _SEND_WR(wr_id, _WR_READ, _SGE(addr, m, pin.mr.lkey),
-                                           True, arrival.addr, arrival.rkey))
+                                             True, arrival.addr, arrival.rkey))
             self._sq[p] += 1
         else:
             n = len(op.buffer)
@@ -821,13 +821,13 @@ class Engine:
             if kind == _PUT:
                 # Unsignalled: the READ behind it completes only after the WRITE landed.
                 self._wire.post_send(p, _SEND_WR(wr_id + 1, _WR_WRITE, local, False,
-                                               op.address, rec.rkey))
+                                                 op.address, rec.rkey))
                 self._sq[p] += 1
                 self._wire.post_send(p, _SEND_WR(wr_id, _WR_READ, None, True,
-                                               op.address, rec.rkey))
+                                                 op.address, rec.rkey))
             else:
                 self._wire.post_send(p, _SEND_WR(wr_id, _WR_READ, local, True,
-                                               op.address, rec.rkey))
+                                                 op.address, rec.rkey))
             self._sq[p] += 1
             rec.stage = _WIRE
         rec.wired = True

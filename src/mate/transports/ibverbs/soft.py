@@ -631,7 +631,7 @@ class SoftQP(QueuePair):
         if status is _SUCCESS and not req.wr.signaled:
             return
         self._send_cq._push(_new_tuple(_WORK_COMPLETION, (req.wr.wr_id, status, req.wc_op,
-                                                         req.length, self.qp_num)))
+                                                           req.length, self.qp_num)))
 
     def _retire(self, seq: int, inclusive: bool) -> bool:
         """Complete what an answer to `seq` acknowledges; False (QP in ERR) if it is bogus."""
@@ -829,7 +829,7 @@ class SoftQP(QueuePair):
                 self._fatal(self._rx_seq, WcStatus.REM_OP_ERR)
                 return
             self._recv_cq._push(_new_tuple(_WORK_COMPLETION, (self._rx_wr_id, _SUCCESS, _RECV,
-                                                            self._rx_len, self.qp_num)))
+                                                              self._rx_len, self.qp_num)))
             self._executed(self._rx_seq)
         elif kind == _K_WRITE:
             if self._rx_bad:
@@ -891,7 +891,7 @@ class SoftQP(QueuePair):
                         start += length
                     self._rnr_drop = False
                     self._recv_cq._push(_new_tuple(_WORK_COMPLETION, (wr_id, _SUCCESS, _RECV,
-                                                                    length, self.qp_num)))
+                                                                      length, self.qp_num)))
                     self._expected = (seq + 1) & _SEQ_MASK
                     self._ack_due = True
                     self._ack_seq = seq

@@ -322,3 +322,26 @@ def test_only_native_puts_and_gets_have_passes_poke(recorder: Recorder) -> None:
     recorder.send(1)
     recorder.send(2)
     settle(recorder.engine)
+
+
+def test_a_native_transfers_nudge_renews_its_own_pokes(recorder: Recorder) -> None:
+    """A native put or get that has not crossed SPIN after its posting nudges its
+    target again, and it still needs its own MPI calls to move: each nudge holds the
+    origin's pokes as long as its posting did, not only its backoff."""
+    buffer = bytearray(progress.TRANSFER_SIZE)
+    recorder.buffers.append(buffer)
+    request = recorder.comm.Irecv(buffer, 0, 3)  # stands in for an Rput's request
+    recorder.engine.add(request, recorder.action, owner=("recv", 3), peer=0,
+                        nbytes=len(buffer), one_sided=True)
+    nudged: list[float] = []
+    recorder.engine.nudge = lambda peer, nbytes, one_sided: nudged.append(time.monotonic())
+    while not nudged:
+        recorder.engine.test()
+    # The posting's pokes ended SPIN plus its size at TRANSFER_RATE after it (a
+    # twentieth of SPIN here); the nudge's last as long from the nudge.
+    while time.monotonic() < nudged[0] + progress.SPIN / 2:
+        pass
+    poking = recorder.engine.poking()
+    recorder.send(3)  # first: the recorder cannot close over a receive still posted
+    settle(recorder.engine)
+    assert poking

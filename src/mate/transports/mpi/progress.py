@@ -412,7 +412,7 @@ class Engine:
             if now >= transfer.nudge_at:
                 transfer.wait *= 2  # until a nudge of the peer's answers
                 transfer.nudge_at = now + transfer.wait
-                self.backoff.hold(transfer_hold(transfer.nbytes))
+                self._hold(transfer.nbytes, transfer.one_sided)  # a native one: pokes too
                 if self.nudge is not None:
                     self._guarded(entry.owner, self.nudge, transfer.peer, transfer.nbytes,
                                   transfer.one_sided)

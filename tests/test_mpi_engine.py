@@ -337,8 +337,8 @@ def test_a_native_transfers_nudge_renews_its_own_pokes(recorder: Recorder) -> No
     recorder.engine.nudge = lambda peer, nbytes, one_sided: nudged.append(time.monotonic())
     while not nudged:
         recorder.engine.test()
-    # The posting's pokes ended SPIN plus its size at TRANSFER_RATE after it (a
-    # twentieth of SPIN here); the nudge's last as long from the nudge.
+    # The posting's pokes ended SPIN plus its size at TRANSFER_RATE after it (the
+    # size's part a thirtieth of SPIN here); the nudge's last as long from the nudge.
     while time.monotonic() < nudged[0] + progress.SPIN / 2:
         pass
     poking = recorder.engine.poking()

@@ -1,4 +1,5 @@
-"""The ibverbs progress modes' kicks, without a device: which loop call carries them."""
+"""The ibverbs progress modes without a device: which loop call carries a kick, and
+the passes an awaiting task runs itself in poll mode."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from mate.transports.ibverbs.progress import LoopProgress, PollProgress, Progress
+import mate.transports.ibverbs.progress as progress_module
+from mate.transports.ibverbs.progress import SLICE, LoopProgress, PollProgress, Progress
 
 
 class _RecordingLoop(asyncio.AbstractEventLoop):
@@ -21,6 +23,7 @@ class _RecordingLoop(asyncio.AbstractEventLoop):
     def call_soon(self, callback: Callable[..., object], *args: Any,
                   context: Any = None) -> Any:
         self.calls.append("call_soon")
+        self.queued = callback
 
     def call_soon_threadsafe(self, callback: Callable[..., object], *args: Any,
                              context: Any = None) -> Any:
@@ -52,3 +55,74 @@ def test_a_kick_from_another_thread_wakes_the_loop(mode: str) -> None:
     other.start()
     other.join()
     assert loop.calls == ["call_soon_threadsafe"]
+
+
+class _Passes:
+    """A pass that moves at the `moves_at`-th call and then makes `done()` true if
+    `completes`; counts its calls."""
+
+    def __init__(self, moves_at: int, completes: bool = True) -> None:
+        self.calls, self.moves_at, self.completes, self.finished = 0, moves_at, completes, False
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        if self.calls == self.moves_at:
+            self.finished = self.completes
+            return True
+        return False
+
+    def done(self) -> bool:
+        return self.finished
+
+
+def _poller(passes: _Passes) -> tuple[PollProgress, _RecordingLoop]:
+    loop = _RecordingLoop()
+    return PollProgress(loop, -1, passes, lambda: None, lambda: 1), loop
+
+
+def test_an_awaiting_task_runs_passes_until_what_it_awaits_is_done() -> None:
+    passes = _Passes(moves_at=5)
+    progress, loop = _poller(passes)
+    progress.awaiting(passes.done)
+    assert passes.done() and passes.calls == 5
+    assert loop.calls == ["call_soon"]  # the poll it queued runs when the loop turns
+
+
+def test_an_awaiting_task_stops_at_a_pass_that_moved_something_else() -> None:
+    """What else a pass moved may be work for the loop (a task it woke): the loop turns."""
+    passes = _Passes(moves_at=3, completes=False)
+    progress, _ = _poller(passes)
+    progress.awaiting(passes.done)
+    assert not passes.done() and passes.calls == 3
+
+
+def test_an_awaiting_task_holds_the_loop_at_most_a_slice_since_it_turned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+
+    def tick() -> float:
+        clock[0] += SLICE / 10
+        return clock[0]
+
+    monkeypatch.setattr(progress_module.time, "monotonic", tick)
+    passes = _Passes(moves_at=10**6)
+    progress, _ = _poller(passes)
+    progress.awaiting(passes.done)  # queues the poll at one tick, gives up a slice later
+    assert 5 <= passes.calls <= 10
+    calls = passes.calls
+    progress.awaiting(passes.done)  # the loop has not turned since: no more passes
+    assert passes.calls == calls
+
+
+def test_an_awaiting_task_does_not_spin_while_polling_backs_off() -> None:
+    """Once a poll found nothing for SPIN, the next one is a timer: what the task awaits
+    is not expected soon, and the task leaves waiting to the loop."""
+    passes = _Passes(moves_at=10**6)
+    progress, loop = _poller(passes)
+    loop.call_later = lambda delay, callback, *args: None  # type: ignore[method-assign]
+    progress.kick()
+    progress._last_moved -= 1.0  # nothing moved for a second
+    loop.queued()  # the queued poll runs, finds nothing, and backs off
+    calls = passes.calls
+    progress.awaiting(passes.done)
+    assert passes.calls == calls

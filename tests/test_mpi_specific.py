@@ -457,6 +457,93 @@ async def test_a_window_of_messages_completes_in_a_few_loop_callbacks(fabric: Fa
         await group.run(program)
 
 
+@pytest.mark.skipif(LAUNCH_OPTIONS.get("progress") != "poll", reason="poll mode's passes")
+async def test_a_ping_pong_awaited_while_passes_spin_needs_few_turns_of_the_loop(
+        fabric: Fabric) -> None:
+    """A task that awaits a message runs passes itself for a while (`await_spin`): a
+    reply that comes meanwhile is awaited with no turn of the loop, counted by a task
+    that yields in every iteration. Awaited through the loop, each of the 200 rounds
+    would cost at least two turns."""
+    rounds = 200
+
+    async def program(world: mate.World) -> None:
+        if world.mypid > 1:
+            await barrier(world)
+            return
+        peer, buf = 1 - world.mypid, bytearray(8)
+        await barrier(world)
+        iterations, done = 0, False
+
+        async def count_iterations() -> None:
+            nonlocal iterations
+            while not done:
+                iterations += 1
+                await asyncio.sleep(0)
+
+        counter = asyncio.ensure_future(count_iterations())
+        for _ in range(rounds):
+            if world.mypid == 0:
+                reply = world.recv(buf, peer, tag=23)
+                await world.send(buf, peer, tag=23)
+                await reply
+            else:
+                await world.recv(buf, peer, tag=23)
+                await world.send(buf, peer, tag=23)
+        done = True
+        await counter
+        assert iterations < rounds // 2, iterations
+        await barrier(world)
+
+    async with fabric.open() as group:
+        await group.run(program)
+
+
+@pytest.mark.skipif(LAUNCH_OPTIONS.get("progress") != "poll", reason="poll mode's passes")
+async def test_a_ping_pong_awaited_while_passes_spin_leaves_the_loop_to_its_timers(
+        fabric: Fabric) -> None:
+    """The passes of an awaiting task hold the loop for at most SLICE since it last
+    turned, as a loop callback's do: a ping-pong whose every reply comes within the
+    spin still lets a task that sleeps 1 ms at a time run (unbounded, the ping-pong
+    would never yield and the sleeper would not wake until it ended)."""
+    seconds = 0.3
+
+    async def program(world: mate.World) -> None:
+        if world.mypid > 1:
+            await barrier(world)
+            return
+        peer, buf, go_on = 1 - world.mypid, bytearray(1), bytearray(1)
+        await barrier(world)
+        ticks, done = 0, False
+
+        async def tick() -> None:
+            nonlocal ticks
+            while not done:
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        end = time.monotonic() + seconds
+        while True:
+            if world.mypid == 0:
+                go_on[0] = time.monotonic() < end
+                reply = world.recv(buf, peer, tag=24)
+                await world.send(go_on, peer, tag=24)
+                await reply
+            else:
+                await world.recv(go_on, peer, tag=24)
+                await world.send(buf, peer, tag=24)
+            if not go_on[0]:
+                break
+        done = True
+        await ticker
+        # 1 ms sleeps and holds of at most SLICE (0.5 ms): some 200 ticks in 0.3 s.
+        assert ticks >= 50, ticks
+        await barrier(world)
+
+    async with fabric.open() as group:
+        await group.run(program)
+
+
 @pytest.mark.skipif(THREADED, reason="calls the engine on the loop's thread: its progress context")
 async def test_a_receive_is_cancelled_once_however_often_asked(fabric: Fabric) -> None:
     """MPICH's ch4 device corrupts a request made between two MPI_Cancel calls on one

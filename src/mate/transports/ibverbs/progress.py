@@ -12,18 +12,22 @@ who calls it:
   outstanding the loop also polls the CQs from `call_soon` callbacks, busy
   for `SPIN` seconds after the last progress, then with growing pauses (up
   to `MAX_BACKOFF`); the channel's reader stays on, so a poller that backed
-  off still wakes at once when something arrives.
+  off still wakes at once when something arrives. While it is busy, a task
+  that awaits an operation runs passes itself first (`awaiting`), for at
+  most `SLICE` since the loop last turned and until a pass moves anything:
+  a reply that comes meanwhile costs no turn of the loop.
 * `ThreadProgress` (``thread``): a progress thread blocks in `select` on the
   completion channel (and an eventfd that `kick` and `stop` write); passes
   and, with ``handlers="progress"``, handlers run there.
 
-Two calls tell a mode what the transport did. `posted()`: work was started.
+Three calls tell a mode what the transport did. `posted()`: work was started.
 Its completions will make the channel readable, so only ``poll`` acts (it
-starts polling). `kick()`: a call left reports (an eager send's submission,
-a failure found at post time: the core never takes reports from inside
-`post`); they are delivered soon by `deliver`, which hands them over without
-touching the device (by a full pass in ``thread`` mode, where handlers run
-on the progress thread).
+starts polling). `awaiting(done)`: a task awaits until `done()` (only
+``poll`` does more than for `posted`). `kick()`: a call left reports (an
+eager send's submission, a failure found at post time: the core never takes
+reports from inside `post`); they are delivered soon by `deliver`, which
+hands them over without touching the device (by a full pass in ``thread``
+mode, where handlers run on the progress thread).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ logger = logging.getLogger("mate")
 
 SPIN: Final = 0.002  # seconds of busy polling after the last progress (poll mode)
 MAX_BACKOFF: Final = 0.001  # longest pause between polls while messages are outstanding
+SLICE: Final = 500e-6  # longest an awaiting task's passes hold the loop since it turned
 
 #: A pass: returns True if it moved anything.
 Pass = Callable[[], bool]
@@ -65,7 +70,11 @@ class Progress(abc.ABC):
         """Reports are waiting: have them delivered soon (from any thread)."""
 
     def posted(self) -> None:  # noqa: B027 (most modes need do nothing)
-        """Work was started or is awaited; the channel will tell when it completes."""
+        """Work was started; the channel will tell when it completes."""
+
+    def awaiting(self, done: Callable[[], bool]) -> None:
+        """A task awaits until `done()` (on the loop's thread)."""
+        self.posted()
 
     @abc.abstractmethod
     def stop(self) -> None:
@@ -122,15 +131,26 @@ class PollProgress(LoopProgress):
         self._polling = False
         self._last_moved = 0.0
         self._pause = 0.0
+        self._soon_at: float | None = None  # when the poll was queued with call_soon, if it was
 
     def posted(self) -> None:
         self.kick()
+
+    def awaiting(self, done: Callable[[], bool]) -> None:
+        self.kick()
+        if self._soon_at is None:
+            return  # backing off: what the task awaits is not expected soon
+        give_up = self._soon_at + SLICE
+        while not done() and time.monotonic() < give_up:
+            if self._guarded():
+                self._last_moved, self._pause = time.monotonic(), 0.0
+                return
 
     def kick(self) -> None:  # a poll is a pass, which delivers the reports too
         if self._polling or self._stopped:
             return
         self._polling = True
-        self._last_moved = time.monotonic()
+        self._last_moved = self._soon_at = time.monotonic()
         self._pause = 0.0
         if self._on_loop_thread():
             self.loop.call_soon(self._poll)
@@ -138,6 +158,7 @@ class PollProgress(LoopProgress):
             self.loop.call_soon_threadsafe(self._poll)
 
     def _poll(self) -> None:
+        self._soon_at = None
         if self._stopped:
             return
         now = time.monotonic()
@@ -147,6 +168,7 @@ class PollProgress(LoopProgress):
             self._polling = False  # idle: the channel's reader wakes the next pass
             return
         if now - self._last_moved < SPIN:
+            self._soon_at = now
             self.loop.call_soon(self._poll)
         else:
             self._pause = min(MAX_BACKOFF, max(self._pause * 2, 50e-6))

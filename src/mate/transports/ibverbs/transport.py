@@ -22,7 +22,8 @@ carries messages a rank sends to itself).
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Final
 
 from librt.threading import Lock
 
@@ -151,8 +152,8 @@ class IbverbsTransport(Transport):
         self._progress.kick()
         await done
 
-    def awaiting(self, op: Operation, done: Any) -> None:
-        self._progress.posted()
+    def awaiting(self, op: Operation, done: Callable[[], bool]) -> None:
+        self._progress.awaiting(done)
 
     def stats(self) -> dict[str, int]:
         with self._lock:

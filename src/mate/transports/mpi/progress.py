@@ -10,7 +10,11 @@ each a small strategy of its own sharing one `Backoff`:
 * `PollProgress` (``poll``): a callback on the event loop, rescheduled with
   `call_soon` while user messages are outstanding (lowest latency), which runs
   passes while they move (`loop_slice`: MPICH takes in one message per call,
-  so a window of messages completes in one callback); after
+  so a window of messages completes in one callback). A task that awaits a
+  message runs passes itself first (`await_spin`), within the same bound of
+  SLICE since the loop last turned: a reply that comes meanwhile costs no
+  turn of the loop and no wake-up of the task, which is what lets an awaited
+  ping-pong go below the asyncio floor (a loop callback per test). After
   `SPIN` seconds without progress it backs off to timers of growing delay (up
   to `MAX_BACKOFF`, and `LONG_IDLE_BACKOFF` once nothing moved for
   `LONG_IDLE`), and with only the transport's own standing receives left it
@@ -763,6 +767,19 @@ def loop_slice(engine: Engine, test: Callable[[bool], bool]) -> None:
         moved = test(False)
 
 
+def await_spin(engine: Engine, done: Callable[[], bool], give_up: float) -> None:
+    """Passes run by a task that awaits, until `done()`, a pass moves, or `give_up`.
+
+    A message that completes while its task spins here is awaited with no turn
+    of the loop and no wake-up of the task. Bounded as `loop_slice` is: only
+    while the loop turned within the last SLICE, and over at the first pass
+    that moves anything, since what else it moved may be work for the loop.
+    """
+    while not done() and time.monotonic() < give_up:
+        if engine.test(True):
+            return
+
+
 class PollProgress(Progress):
     """Passes as callbacks on the event loop while there is work (see the docstring).
 
@@ -776,7 +793,8 @@ class PollProgress(Progress):
 
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(engine, loop)
-        self._soon: asyncio.Handle | None = None  # the pass queued with call_soon
+        self._soon: asyncio.Handle | None = None  # the pass queued with call_soon ...
+        self._soon_at = 0.0  # ... since then (the loop has not turned since)
         self._timer: asyncio.TimerHandle | None = None  # the one armed timer ...
         self._timer_when = 0.0  # ... and when it fires (loop time)
         self._due = math.inf  # when the next pass is wanted, if not at once (loop time)
@@ -789,6 +807,8 @@ class PollProgress(Progress):
         self.schedule(0.0)
 
     def drive_until(self, done: Callable[[], bool]) -> None:
+        if self._soon is not None and self.engine.backoff.spinning():
+            await_spin(self.engine, done, self._soon_at + SLICE)
         self.schedule(0.0)
 
     def schedule(self, delay: float) -> None:
@@ -798,6 +818,7 @@ class PollProgress(Progress):
         if delay <= 0:
             self._due = math.inf
             self._soon = self.loop.call_soon(self._poll)
+            self._soon_at = time.monotonic()
             return
         when = self.loop.time() + delay
         if when < self._due:

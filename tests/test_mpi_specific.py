@@ -18,22 +18,36 @@ EAGER = 1024
 
 
 @contextlib.asynccontextmanager
-async def counting_loop_turns() -> AsyncIterator[Callable[[], int]]:
-    """Count the event loop's turns meanwhile, by a task that yields in every turn."""
-    turns, done = 0, False
+async def counting_wake_ups(pause: float = 0.0) -> AsyncIterator[Callable[[], int]]:
+    """Count meanwhile the wake-ups of a task that sleeps `pause` s at a time: with no
+    pause, the event loop's turns (the task yields in every turn)."""
+    wake_ups, done = 0, False
 
     async def count() -> None:
-        nonlocal turns
+        nonlocal wake_ups
         while not done:
-            turns += 1
-            await asyncio.sleep(0)
+            wake_ups += 1
+            await asyncio.sleep(pause)
 
     counter = asyncio.ensure_future(count())
     try:
-        yield lambda: turns
+        yield lambda: wake_ups
     finally:
         done = True
         await counter
+
+
+async def round_trip(world: mate.World, out: bytearray, into: bytearray, tag: int) -> None:
+    """One round of a ping-pong between ranks 0 and 1: rank 0 sends `out` and receives
+    the answer into `into`, rank 1 receives into `into` and answers with `out`."""
+    peer = 1 - world.mypid
+    if world.mypid == 0:
+        reply = world.recv(into, peer, tag=tag)
+        await world.send(out, peer, tag=tag)
+        await reply
+    else:
+        await world.recv(into, peer, tag=tag)
+        await world.send(out, peer, tag=tag)
 
 
 async def test_send_completes_only_after_the_receiver_matched(fabric: Fabric) -> None:
@@ -457,7 +471,7 @@ async def test_a_window_of_messages_completes_in_a_few_loop_callbacks(fabric: Fa
         elif world.mypid == 1:
             buffers = [bytearray(1) for _ in range(window)]
             receives = [world.recv(b, 0, tag=21) for b in buffers]
-            async with counting_loop_turns() as turns:
+            async with counting_wake_ups() as turns:
                 await world.send(b"", 0, tag=22)
                 await asyncio.gather(*receives)
             assert [b[0] for b in buffers] == list(range(window))
@@ -478,21 +492,13 @@ async def test_a_ping_pong_awaited_while_passes_spin_needs_few_turns_of_the_loop
     rounds = 200
 
     async def program(world: mate.World) -> None:
-        if world.mypid > 1:
-            await barrier(world)
-            return
-        peer, buf = 1 - world.mypid, bytearray(8)
         await barrier(world)
-        async with counting_loop_turns() as turns:
-            for _ in range(rounds):
-                if world.mypid == 0:
-                    reply = world.recv(buf, peer, tag=23)
-                    await world.send(buf, peer, tag=23)
-                    await reply
-                else:
-                    await world.recv(buf, peer, tag=23)
-                    await world.send(buf, peer, tag=23)
-        assert turns() < rounds, turns()
+        if world.mypid <= 1:
+            buf = bytearray(8)
+            async with counting_wake_ups() as turns:
+                for _ in range(rounds):
+                    await round_trip(world, buf, buf, 23)
+            assert turns() < rounds, turns()
         await barrier(world)
 
     async with fabric.open() as group:
@@ -509,36 +515,19 @@ async def test_a_ping_pong_awaited_while_passes_spin_leaves_the_loop_to_its_time
     seconds = 0.3
 
     async def program(world: mate.World) -> None:
-        if world.mypid > 1:
-            await barrier(world)
-            return
-        peer, buf, go_on = 1 - world.mypid, bytearray(1), bytearray(1)
         await barrier(world)
-        ticks, done = 0, False
-
-        async def tick() -> None:
-            nonlocal ticks
-            while not done:
-                await asyncio.sleep(0.001)
-                ticks += 1
-
-        ticker = asyncio.ensure_future(tick())
-        end = time.monotonic() + seconds
-        while True:
-            if world.mypid == 0:
-                go_on[0] = time.monotonic() < end
-                reply = world.recv(buf, peer, tag=24)
-                await world.send(go_on, peer, tag=24)
-                await reply
-            else:
-                await world.recv(go_on, peer, tag=24)
-                await world.send(buf, peer, tag=24)
-            if not go_on[0]:
-                break
-        done = True
-        await ticker
-        # 1 ms sleeps and holds of at most SLICE (0.5 ms): some 200 ticks in 0.3 s.
-        assert ticks >= 50, ticks
+        if world.mypid <= 1:
+            buf, go_on = bytearray(1), bytearray([1])  # rank 0 says when to stop
+            end = time.monotonic() + seconds
+            async with counting_wake_ups(0.001) as ticks:
+                while go_on[0]:
+                    if world.mypid == 0:
+                        go_on[0] = time.monotonic() < end
+                        await round_trip(world, go_on, buf, 24)
+                    else:
+                        await round_trip(world, buf, go_on, 24)
+            # 1 ms sleeps and holds of at most SLICE (0.5 ms): some 200 ticks in 0.3 s.
+            assert ticks() >= 50, ticks()
         await barrier(world)
 
     async with fabric.open() as group:

@@ -508,7 +508,8 @@ class _Poller:
     """Await many MPI requests through one loop callback, testing them as mate's engine
     does: ``Testsome`` over the oldest `FRONT` outstanding, over all of them when
     those did not move; again while a call completes some (MPICH takes in one message
-    per call); and back on the next turn of the loop while any are left."""
+    per call), after a bare progress call for each of the oldest `FRONT` but one;
+    and back on the next turn of the loop while any are left."""
 
     def __init__(self, MPI: Any) -> None:
         from mate.transports.mpi.progress import FRONT  # the engine's (it needs mpi4py)
@@ -519,6 +520,7 @@ class _Poller:
         self.requests: list[Any] = []  # in posting order, completed ones included ...
         self.futures: list[asyncio.Future[None]] = []
         self.oldest = 0  # ... until every one before this has completed
+        self.moved = False  # the last call completed some: messages flow
 
     def wait(self, request: Any) -> asyncio.Future[None]:
         future = self.loop.create_future()
@@ -532,7 +534,12 @@ class _Poller:
         requests, futures, testsome, front = self.requests, self.futures, self.testsome, self.front
         while self.oldest < len(requests):
             oldest = self.oldest
+            if self.moved:  # the newest request: the one least likely complete
+                progress = requests[-1].Get_status
+                for _ in range(min(front, len(requests) - oldest) - 1):
+                    progress()
             done = testsome(requests[oldest:oldest + front]) or testsome(requests[oldest:])
+            self.moved = bool(done)
             if not done:
                 break
             for index in done:

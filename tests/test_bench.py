@@ -110,6 +110,8 @@ def test_bad_sizes_are_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> 
     (["rate", "--wait", "submission"], "no submission"),
     (["put", "--transport", "mpi", "--floor"], "pingpong, pingping, rate patterns only"),
     (["pingpong", "--transport", "local", "--floor"], "need a launched transport"),
+    (["pingpong", "--transport", "local", "--tcp"], "--tcp needs a launched transport"),
+    (["rate", "--transport", "ibverbs", "--tcp"], "pingpong pattern only"),
 ])
 def test_bad_combinations(argv: list[str], message: str,
                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -263,7 +265,7 @@ def test_measure_respects_the_cap_for_huge_sizes() -> None:
 
 
 def test_sides_calibrate_apart_then_take_turns_one_repetition_each() -> None:
-    """mate, raw and the floor each calibrate in a phase of their own, then alternate a
+    """mate, raw, the floor and TCP each calibrate in a phase of their own, then alternate a
     repetition at a time, so that a drifting host weighs on every side alike; each turn
     warms its side up again (untimed) before the timed batch; rank 1 serves exactly the
     phases that rank 0 ends, in the same order."""
@@ -283,11 +285,11 @@ def test_sides_calibrate_apart_then_take_turns_one_repetition_each() -> None:
             events.append((self.label, "end"))
 
     batches = [Recorder(label, t) for label, t in
-               (("mate", 200e-6), ("raw", 50e-6), ("floor", 100e-6))]
+               (("mate", 200e-6), ("raw", 50e-6), ("floor", 100e-6), ("tcp", 300e-6))]
     sides = [driver._Side(b.label, b, b.end_phase) for b in batches]
     shown: list[str] = []
-    mine, raw, floor = asyncio.run(driver._measure_sides(opts, sides, 64, shown.append))
-    assert shown == ["mate", "raw", "floor"]
+    mine, raw, floor, tcp = asyncio.run(driver._measure_sides(opts, sides, 64, shown.append))
+    assert shown == ["mate", "raw", "floor", "tcp"]
     phases: list[list[str]] = []  # the sides each phase ran, in order
     current: list[str] = []
     for label, what in events:
@@ -296,11 +298,11 @@ def test_sides_calibrate_apart_then_take_turns_one_repetition_each() -> None:
             phases.append(current)
             current = []
     assert current == []
-    calibration, rounds = phases[:3], phases[3:]
-    assert [set(p) for p in calibration] == [{"mate"}, {"raw"}, {"floor"}]
-    assert [p[-1] for p in rounds] == ["mate", "raw", "floor"] * opts.repetitions
+    calibration, rounds = phases[:4], phases[4:]
+    assert [set(p) for p in calibration] == [{"mate"}, {"raw"}, {"floor"}, {"tcp"}]
+    assert [p[-1] for p in rounds] == ["mate", "raw", "floor", "tcp"] * opts.repetitions
     assert all(len(p) == 3 for p in rounds)  # warm-up, timed batch, end of the phase
-    for measurement, batch in ((mine, batches[0]), (raw, batches[1]), (floor, batches[2])):
+    for measurement, batch in zip((mine, raw, floor, tcp), batches, strict=True):
         n = measurement.iterations
         assert len(measurement.samples) == opts.repetitions
         assert n * batch.per_iteration >= opts.min_time
@@ -322,7 +324,7 @@ def test_sides_calibrate_apart_then_take_turns_one_repetition_each() -> None:
             served.append(self.label)
 
     asyncio.run(driver._serve(opts, MateServer("mate"), Server("raw"),  # type: ignore[arg-type]
-                              MateServer("floor")))  # type: ignore[arg-type]
+                              MateServer("floor"), MateServer("tcp")))  # type: ignore[arg-type]
     assert served == [p[-1] for p in phases] * len(opts.sweep)
 
 
@@ -690,6 +692,21 @@ def test_floor_columns_and_ratio() -> None:
     assert synthetic_result(True).to_json()["rows"][0]["floor_ratio"] is None
 
 
+def test_tcp_columns_and_ratio() -> None:
+    mate = Measurement(8, (Sample(100, 0.003, 0.01),), divisor=2)  # 15 us
+    tcp = Measurement(8, (Sample(100, 0.006, 0.01),), divisor=2)  # 30 us
+    result = Result("pingpong", "ibverbs", "poll", "completion", "testhost",
+                    [Row.from_measurements(mate, None, None, tcp)], extra={"tcp": "loopback"})
+    row = result.to_json()["rows"][0]
+    assert row["tcp_latency_us"] == pytest.approx(30.0)
+    assert row["tcp_ratio"] == pytest.approx(0.5)
+    assert row["floor_latency_us"] is None and row["baseline_latency_us"] is None
+    head = format_head(result, False)
+    assert "tcp=loopback" in head.splitlines()[0] and head.split()[-2:] == ["us", "/tcp"]
+    assert format_row(result.rows[0], False).split()[-2:] == ["30.00", "0.50"]
+    assert synthetic_result(True).to_json()["rows"][0]["tcp_ratio"] is None
+
+
 def test_floor_peak_and_n_half_in_the_summary() -> None:
     """The floor's bandwidth curve gets its own peak and n½, from its latencies alone."""
     rows = []
@@ -727,3 +744,23 @@ def test_floor_measured_in_the_same_run_on_two_ranks(tmp_path: Path, pattern: st
         assert row["floor_ratio"] == pytest.approx(row["latency_us"] / row["floor_latency_us"])
     assert obj["summary"]["floor_peak_bandwidth_MBps"] == pytest.approx(
         max(row["size"] / row["floor_latency_us"] for row in obj["rows"]))
+
+
+@pytest.mark.parametrize("transport", ["ibverbs", "mpi"])
+def test_tcp_measured_in_the_same_run_on_two_ranks(tmp_path: Path, transport: str) -> None:
+    """`--tcp`: the TCP ping-pong takes turns with mate at every size, rank 1 serving
+    each phase's connection in its own event loop (`mate.bench.tcp.TcpBench`)."""
+    path = tmp_path / "pp.json"
+    env = {k: v for k, v in os.environ.items() if k != cli.PROGRESS_ENV}
+    done = run_bounded(
+        [sys.executable, "-m", "mate.bench", "pingpong", "--transport", transport, "--tcp",
+         "--sizes", "8,64K", "--min-time", "0.001", "--repetitions", "2",
+         "--json", str(path)], 300, f"mate-bench pingpong --transport {transport} --tcp", env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    obj = json.loads(path.read_text())
+    check_schema(obj, baseline=False)
+    assert obj["tcp"] and obj["transport"] == transport
+    assert [row["size"] for row in obj["rows"]] == [8, 65536]
+    for row in obj["rows"]:
+        assert row["tcp_latency_us"] > 0
+        assert row["tcp_ratio"] == pytest.approx(row["latency_us"] / row["tcp_latency_us"])

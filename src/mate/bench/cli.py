@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pingpong, pingping, rate: also measure the asyncio (or uvloop) "
                              "floor in the same run: mpi4py requests awaited through loop "
                              "callbacks, no mate")
+    parser.add_argument("--tcp", action="store_true",
+                        help="pingpong: also measure asyncio TCP streams on 127.0.0.1 in the "
+                             "same run, rank 1 the echo server (the soft device's baseline)")
     parser.add_argument("--idle", type=non_negative, default=1.0, metavar="S",
                         help="wait pattern: how long rank 1 waits before sending (default 1)")
     parser.add_argument("--window", type=positive_int, metavar="W",
@@ -119,6 +122,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.transport == "local":
         if args.baseline or args.floor:
             parser.error("--baseline and --floor need a launched transport (both run mpi4py)")
+        if args.tcp:
+            parser.error("--tcp needs a launched transport (rank 1 is the echo server)")
         if args.progress is not None:
             parser.error("--progress applies to launched transports (mpi, ibverbs)")
     if args.rma is not None and args.transport != "mpi":
@@ -132,6 +137,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      f"(only {', '.join(SUBMISSION_PATTERNS)} do)")
     if args.floor and args.pattern not in FLOOR_PATTERNS:
         parser.error(f"--floor applies to the {', '.join(FLOOR_PATTERNS)} patterns only")
+    if args.tcp and args.pattern != "pingpong":
+        parser.error("--tcp applies to the pingpong pattern only")
     if args.pattern != "rate" and (args.window is not None or args.handlers):
         parser.error("--window and --handlers apply to the rate pattern only")
     if args.rma is not None and args.pattern not in ("put", "get"):
@@ -156,6 +163,7 @@ def options(args: argparse.Namespace) -> Options:
         wait=args.wait, sizes=tuple(args.sizes), baseline=args.baseline,
         repetitions=args.repetitions, min_time=args.min_time, idle=args.idle,
         window=args.window or DEFAULT_WINDOW, handler_driven=args.handlers, floor=args.floor,
+        tcp=args.tcp,
         show_progress=sys.stderr.isatty() if show is None else show == "1",
         uvloop=args.uvloop)
 

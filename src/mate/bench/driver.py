@@ -29,6 +29,7 @@ from mate.bench import stats
 from mate.bench.measure import WARMUP_ITERATIONS, Batch, Measurement, Sample, calibrate
 from mate.bench.patterns import DEFAULT_WINDOW, FloorBench, MateBench, RawBench, divisor
 from mate.bench.report import ProgressBar, Result, Row, format_head, show_row
+from mate.bench.tcp import TcpBench
 
 WAIT_SIZE = 8  # the wait pattern ignores --sizes
 TURN_WARMUP = 10  # before its timed batch, each turn runs 1/TURN_WARMUP as many untimed
@@ -53,6 +54,7 @@ class Options:
     window: int = DEFAULT_WINDOW  # the rate pattern: messages per window
     handler_driven: bool = False  # the rate pattern: rank 1 reposts from handlers
     floor: bool = False  # pingpong, pingping, rate: also measure the asyncio floor (needs MPI)
+    tcp: bool = False  # pingpong: also asyncio TCP streams on loopback (mate.bench.tcp)
     show_progress: bool = False
     uvloop: bool = False
 
@@ -78,6 +80,8 @@ def _metadata(opts: Options) -> dict[str, Any]:
         extra["idle_s"] = opts.idle
     if opts.floor:
         extra["floor"] = "uvloop" if opts.uvloop else "asyncio"
+    if opts.tcp:
+        extra["tcp"] = "asyncio streams on 127.0.0.1, rank 1 the echo server"
     if opts.pattern == "rate":
         extra["window"] = opts.window
         extra["handler_driven"] = opts.handler_driven
@@ -154,9 +158,10 @@ async def _measure_sides(opts: Options, sides: list[_Side], size: int,
 
 
 async def _lead(opts: Options, bench: MateBench, raw: RawBench | None,
-                floor: FloorBench | None, result: Result) -> None:
-    """Rank 0: the sweep, mate beside raw (with a baseline) and the asyncio floor (with
-    `--floor`) at every size, into `result`; the table goes to stdout as the sweep goes."""
+                floor: FloorBench | None, tcp: TcpBench | None, result: Result) -> None:
+    """Rank 0: the sweep, mate beside raw (with a baseline), the asyncio floor (with
+    `--floor`) and TCP streams (with `--tcp`) at every size, into `result`; the table
+    goes to stdout as the sweep goes."""
     sizes = opts.sweep
     bar = ProgressBar(len(sizes), f"{opts.pattern} {opts.transport}", opts.show_progress)
     print(format_head(result, raw is not None), flush=True)
@@ -171,6 +176,8 @@ async def _lead(opts: Options, bench: MateBench, raw: RawBench | None,
                 sides.append(_Side("raw", raw.batch(size), partial(raw.end_phase, size)))
             if floor is not None:
                 sides.append(_Side("floor", floor.batch(size), partial(floor.end_phase, size)))
+            if tcp is not None:
+                sides.append(_Side("tcp", tcp.batch(size), partial(tcp.end_phase, size)))
 
             def show(side: str, i: int = i, label: str = stats.format_size(size)) -> None:
                 bar.update(i, f"{label} B {side}")
@@ -179,10 +186,9 @@ async def _lead(opts: Options, bench: MateBench, raw: RawBench | None,
             measured = await _measure_sides(opts, sides, size, show)
             after = bench.world.stats()
             counted[str(size)] = {key: after[key] - before.get(key, 0) for key in after}
-            mine = measured[0]
-            theirs = measured[1] if raw is not None else None
-            lowest = measured[-1] if floor is not None else None
-            result.rows.append(Row.from_measurements(mine, theirs, lowest))
+            by_side = {side.label: m for side, m in zip(sides, measured, strict=True)}
+            result.rows.append(Row.from_measurements(by_side["mate"], by_side.get("raw"),
+                                                     by_side.get("floor"), by_side.get("tcp")))
             show_row(result.rows[-1], raw is not None, bar, rate=opts.pattern == "rate")
         bar.update(len(sizes), "done")
     finally:
@@ -190,7 +196,7 @@ async def _lead(opts: Options, bench: MateBench, raw: RawBench | None,
 
 
 async def _serve(opts: Options, bench: MateBench, raw: RawBench | None,
-                 floor: FloorBench | None) -> None:
+                 floor: FloorBench | None, tcp: TcpBench | None) -> None:
     """Rank 1: serve every phase, in the order rank 0 runs them: at every size, the
     calibration and then each round of repetitions, side by side."""
     for _ in opts.sweep:
@@ -200,18 +206,20 @@ async def _serve(opts: Options, bench: MateBench, raw: RawBench | None,
                 raw.serve_phase()
             if floor is not None:
                 await floor.serve_phase()
+            if tcp is not None:
+                await tcp.serve_phase()
 
 
 async def run_local(opts: Options) -> Result:
     """Both ranks in this process, on the local transport."""
-    if opts.baseline or opts.floor:
-        raise BenchError("--baseline and --floor need a launched transport (they use MPI)")
+    if opts.baseline or opts.floor or opts.tcp:
+        raise BenchError("--baseline, --floor and --tcp need a launched transport")
     result = new_result(opts)
     async with mate.local.worlds(2) as (w0, w1):
         lead, serve = _mate_bench(opts, w0), _mate_bench(opts, w1)
         await asyncio.gather(lead.setup(), serve.setup())
-        await asyncio.gather(_lead(opts, lead, None, None, result),
-                             _serve(opts, serve, None, None))
+        await asyncio.gather(_lead(opts, lead, None, None, None, result),
+                             _serve(opts, serve, None, None, None))
         await asyncio.gather(lead.teardown(), serve.teardown())
     return result
 
@@ -228,16 +236,21 @@ async def run_launched(opts: Options) -> Result | None:
         raw = (RawBench(opts.pattern, opts.wait, opts.sweep, opts.idle, opts.window)
                if opts.baseline else None)
         floor = FloorBench(opts.pattern, opts.sweep, opts.window) if opts.floor else None
+        tcp = TcpBench(world, opts.sweep) if opts.tcp else None
         await bench.setup()
+        if tcp is not None:
+            await tcp.setup()
         if raw is not None:
             raw.setup()
         result: Result | None = None
         if world.mypid == 0:
             result = new_result(opts)
-            await _lead(opts, bench, raw, floor, result)
+            await _lead(opts, bench, raw, floor, tcp, result)
         else:
-            await _serve(opts, bench, raw, floor)
+            await _serve(opts, bench, raw, floor, tcp)
         await bench.teardown()
+        if tcp is not None:
+            await tcp.teardown()
         # Meet before the raw window is freed (a blocking collective): rank 1's
         # unexpose needs rank 0's mate progress until it returns.
         token = bytearray(1)

@@ -12,8 +12,9 @@ Baseline fields are null without a baseline. Extra keys (``rma``, ``date``,
 ``python``, ``mpi_library``, ``repetitions``, ... and per row ``iterations``,
 ``baseline_cpu_percent``, ``latency_ratio``, ``bandwidth_ratio``,
 ``messages_per_s``, ``baseline_messages_per_s``, ``floor_latency_us``,
-``floor_ratio``; in the summary, with ``--floor``, ``floor_peak_bandwidth_MBps`` and
-``floor_n_half``) may be added but those above never change.
+``floor_ratio``, ``tcp_latency_us``, ``tcp_ratio``; in the summary, with ``--floor``,
+``floor_peak_bandwidth_MBps`` and ``floor_n_half``) may be added but those above never
+change.
 ``messages_per_s`` is 10^6 / ``latency_us``: for the rate pattern, whose
 latency is the time per message of a window, the message rate.
 """
@@ -48,17 +49,20 @@ class Row:
     baseline_cpu_percent: float | None = None
     baseline_iterations: int | None = None
     floor_latency_us: float | None = None  # the asyncio floor (mate-bench --floor)
+    tcp_latency_us: float | None = None  # asyncio TCP streams on loopback (mate-bench --tcp)
 
     @classmethod
     def from_measurements(cls, mate: Measurement, raw: Measurement | None = None,
-                          floor: Measurement | None = None) -> Row:
+                          floor: Measurement | None = None,
+                          tcp: Measurement | None = None) -> Row:
         return cls(
             mate.size, mate.latency_us, mate.bandwidth_mbps, mate.cpu_percent, mate.iterations,
             baseline_latency_us=None if raw is None else raw.latency_us,
             baseline_bandwidth_MBps=None if raw is None else raw.bandwidth_mbps,
             baseline_cpu_percent=None if raw is None else raw.cpu_percent,
             baseline_iterations=None if raw is None else raw.iterations,
-            floor_latency_us=None if floor is None else floor.latency_us)
+            floor_latency_us=None if floor is None else floor.latency_us,
+            tcp_latency_us=None if tcp is None else tcp.latency_us)
 
     @property
     def floor_bandwidth_MBps(self) -> float | None:
@@ -70,6 +74,11 @@ class Row:
     def floor_ratio(self) -> float | None:
         """MATE / the asyncio floor's latency (what mate costs above the event loop)."""
         return stats.ratio(self.latency_us, self.floor_latency_us)
+
+    @property
+    def tcp_ratio(self) -> float | None:
+        """MATE / asyncio TCP streams' latency (SPEC §7's peer baseline for the soft device)."""
+        return stats.ratio(self.latency_us, self.tcp_latency_us)
 
     @property
     def latency_ratio(self) -> float | None:
@@ -107,6 +116,8 @@ class Row:
             "baseline_messages_per_s": self.baseline_messages_per_s,
             "floor_latency_us": self.floor_latency_us,
             "floor_ratio": self.floor_ratio,
+            "tcp_latency_us": self.tcp_latency_us,
+            "tcp_ratio": self.tcp_ratio,
         }
 
 
@@ -168,6 +179,10 @@ class Result:
     def has_floor(self) -> bool:
         return bool(self.extra.get("floor"))
 
+    @property
+    def has_tcp(self) -> bool:
+        return bool(self.extra.get("tcp"))
+
     def title(self) -> str:
         parts = [self.pattern, self.transport]
         if self.progress:
@@ -178,6 +193,8 @@ class Result:
             parts.append(f"wait={self.wait}")
         if self.extra.get("floor"):
             parts.append(f"floor={self.extra['floor']}")
+        if self.extra.get("tcp"):
+            parts.append("tcp=loopback")
         if self.pattern == "rate":
             parts.append(f"window={self.extra.get('window')}")
             if self.extra.get("handler_driven"):
@@ -223,6 +240,8 @@ def format_head(result: Result, baseline: bool) -> str:
         head += f"  {'msg/s':>10}" + (f" {'raw msg/s':>10}" if baseline else "")
     if result.has_floor:
         head += f"  {'floor us':>9} {'/floor':>7}"
+    if result.has_tcp:
+        head += f"  {'tcp us':>9} {'/tcp':>7}"
     return f"# mate-bench {result.title()}  host={result.host}\n{head}"
 
 
@@ -242,6 +261,8 @@ def format_row(row: Row, baseline: bool, *, rate: bool = False) -> str:
             line += f" {_num(row.baseline_messages_per_s, 10, 0)}"
     if row.floor_latency_us is not None:
         line += f"  {_num(row.floor_latency_us, 9)} {_num(row.floor_ratio, 7)}"
+    if row.tcp_latency_us is not None:
+        line += f"  {_num(row.tcp_latency_us, 9)} {_num(row.tcp_ratio, 7)}"
     return line
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from conftest import THREADED, Fabric, barrier
@@ -148,6 +149,48 @@ async def test_reports_from_another_thread_hop_once_and_a_bad_one_fails_alone() 
     finally:
         loop.call_soon_threadsafe = original  # type: ignore[method-assign]
     assert hops == 1
+    await world.shutdown()
+
+
+class _EndsWhileAwaited(_Silent):
+    """A wire whose awaiting task finds the message done, as a poll-mode pass run by
+    that task would (`Transport.awaiting`)."""
+
+    def awaiting(self, op: Operation, done: Callable[[], bool]) -> None:
+        assert not done()
+        if op.op is mate.Op.SEND:
+            self.sink.submitted(op)
+        self.sink.completed(op, len(op.buffer), 1, 3)
+
+
+async def test_a_message_that_ends_in_the_transport_s_awaiting_makes_no_future() -> None:
+    """The transport hears of an awaiter before a future is made for it: what ends
+    meanwhile is awaited with no future made, resolved and awaited (a ping-pong round
+    took 57.9 k machine instructions with them, 54.8 k without, bench/self_instructions.py)."""
+    loop = asyncio.get_running_loop()
+    world = World(loop, default_timeout=1.0, handlers="loop")
+    wire = _EndsWhileAwaited()
+    wire.bind(world.sink)  # where an opener's transport reports from its start
+    world.attach(wire)
+    made = 0
+    make = loop.create_future
+
+    def counting() -> asyncio.Future[object]:
+        nonlocal made
+        made += 1
+        return make()
+
+    loop.create_future = counting  # type: ignore[method-assign]
+    try:
+        receipt = await world.recv(bytearray(4), 1, 3)
+        assert receipt.length == 4 and receipt.remote_pid == 1
+        send = world.send(b"abcd", 1, 3)
+        submitted = await send.submitted  # type: ignore[misc]
+        assert submitted.length == 4 and send.done()
+        assert (await send).length == 4
+    finally:
+        loop.create_future = make  # type: ignore[method-assign]
+    assert made == 0
     await world.shutdown()
 
 

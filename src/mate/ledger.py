@@ -271,18 +271,22 @@ class Ledger:
     def waiter(self, msg: Message, *, submission: bool) -> asyncio.Future[None] | None:
         """A future for a task that awaits `msg` (its submission if `submission`);
         None if that has happened already. The awaiter cancels the message if the
-        future is cancelled (`Message.__await__`)."""
+        future is cancelled (`Message.__await__`).
+
+        The transport hears of the awaiter first: a transport whose awaiting task runs
+        passes itself (poll mode) may end the message there, and then no future is
+        made, resolved and awaited for it."""
+        if self.transport is not None and not self.closed:
+            self.transport.awaiting(msg, msg.done)
+            if msg.done() or (submission and msg.submitted_seen):
+                return None
         future = self._loop.create_future()
         if self._threaded:
             with self._lock:
                 added = msg.add_waiter(future, submission=submission)
         else:
             added = msg.add_waiter(future, submission=submission)
-        if not added:
-            return None
-        if self.transport is not None and not self.closed:
-            self.transport.awaiting(msg, msg.done)
-        return future
+        return future if added else None
 
 
 def _wake_all(futures: Waiters) -> None:

@@ -576,11 +576,11 @@ class Engine:
         While messages flow (the last pass found a completion), the Testsome is
         preceded by a bare progress call for every request of the front but one,
         so that one pass finds as many completions as the front holds: MPICH
-        takes in one message per call, and a pass costs several bare calls. A
-        window of 64 received 8 B messages, all arrived, took 58 passes and
-        4.7-6.2 us a message in the engine without them, and 10 passes and
-        2.7-3.4 us with them (`bench/window_passes.py`). A lone request, as in a
-        ping-pong, has none to wait behind.
+        takes in one message per call, and a pass costs as much as several bare
+        calls. A window of 64 received 8 B messages, all arrived, took 58 passes
+        and 4.7-6.2 us a message in the engine without them, and 10 passes and
+        2.7-3.4 us with them (`bench/window_passes.py`). A lone request gets none,
+        a ping-pong's send and receive one.
         """
         live, standing = self._live, self._standing
         if live.changed or standing.changed:

@@ -455,6 +455,21 @@ async def test_a_message_a_closed_world_left_unreceived_never_reaches_the_next(
         await group.run(receive_nothing)
 
 
+async def send_window(world: mate.World, window: int, ready_tag: int, tag: int) -> None:
+    """Rank 0: once rank 1 says its receives are posted, send it `window` one-byte
+    messages, numbered, and await them."""
+    await world.recv(bytearray(0), 1, tag=ready_tag)
+    for message in [world.send(bytes([i]), 1, tag=tag) for i in range(window)]:
+        await message
+
+
+def receive_window(world: mate.World, window: int, tag: int
+                   ) -> tuple[list[bytearray], list[mate.Message]]:
+    """Rank 1: `window` one-byte receives from rank 0, posted; their buffers and messages."""
+    buffers = [bytearray(1) for _ in range(window)]
+    return buffers, [world.recv(b, 0, tag=tag) for b in buffers]
+
+
 @pytest.mark.skipif(LAUNCH_OPTIONS.get("progress") != "poll", reason="poll mode's passes")
 async def test_a_window_of_messages_completes_in_a_few_loop_callbacks(fabric: Fabric) -> None:
     """Poll mode tests again while passes move. MPICH takes in one message per call, so
@@ -465,12 +480,9 @@ async def test_a_window_of_messages_completes_in_a_few_loop_callbacks(fabric: Fa
 
     async def program(world: mate.World) -> None:
         if world.mypid == 0:
-            await world.recv(bytearray(0), 1, tag=22)  # rank 1's receives are posted
-            for message in [world.send(bytes([i]), 1, tag=21) for i in range(window)]:
-                await message
+            await send_window(world, window, 22, 21)
         elif world.mypid == 1:
-            buffers = [bytearray(1) for _ in range(window)]
-            receives = [world.recv(b, 0, tag=21) for b in buffers]
+            buffers, receives = receive_window(world, window, 21)
             async with counting_wake_ups() as turns:
                 await world.send(b"", 0, tag=22)
                 await asyncio.gather(*receives)
@@ -493,12 +505,9 @@ async def test_a_window_of_arrived_messages_is_taken_in_by_few_passes(fabric: Fa
 
     async def program(world: mate.World) -> None:
         if world.mypid == 0:
-            await world.recv(bytearray(0), 1, tag=24)  # rank 1's receives are posted
-            for message in [world.send(bytes([i]), 1, tag=25) for i in range(window)]:
-                await message
+            await send_window(world, window, 24, 25)
         elif world.mypid == 1:
-            buffers = [bytearray(1) for _ in range(window)]
-            receives = [world.recv(b, 0, tag=25) for b in buffers]
+            buffers, receives = receive_window(world, window, 25)
             await world.send(b"", 0, tag=24)
             time.sleep(0.05)  # no pass meanwhile: rank 0's sends all arrive
             engine = world.transport.engine  # type: ignore[attr-defined]

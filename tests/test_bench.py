@@ -749,7 +749,7 @@ def test_floor_measured_in_the_same_run_on_two_ranks(tmp_path: Path, pattern: st
 @pytest.mark.parametrize("transport", ["ibverbs", "mpi"])
 def test_tcp_measured_in_the_same_run_on_two_ranks(tmp_path: Path, transport: str) -> None:
     """`--tcp`: the TCP ping-pong takes turns with mate at every size, rank 1 serving
-    each phase's connection in its own event loop (`mate.bench.tcp.TcpBench`)."""
+    each phase's connection in its own event loop (`mate.bench.loopback.TcpBench`)."""
     path = tmp_path / "pp.json"
     env = {k: v for k, v in os.environ.items() if k != cli.PROGRESS_ENV}
     done = run_bounded(

@@ -26,10 +26,10 @@ from typing import Any
 import mate
 from mate import native, registry
 from mate.bench import stats
+from mate.bench.loopback import TcpBench
 from mate.bench.measure import WARMUP_ITERATIONS, Batch, Measurement, Sample, calibrate
 from mate.bench.patterns import DEFAULT_WINDOW, FloorBench, MateBench, RawBench, divisor
 from mate.bench.report import ProgressBar, Result, Row, format_head, show_row
-from mate.bench.tcp import TcpBench
 
 WAIT_SIZE = 8  # the wait pattern ignores --sizes
 TURN_WARMUP = 10  # before its timed batch, each turn runs 1/TURN_WARMUP as many untimed
@@ -54,7 +54,7 @@ class Options:
     window: int = DEFAULT_WINDOW  # the rate pattern: messages per window
     handler_driven: bool = False  # the rate pattern: rank 1 reposts from handlers
     floor: bool = False  # pingpong, pingping, rate: also measure the asyncio floor (needs MPI)
-    tcp: bool = False  # pingpong: also asyncio TCP streams on loopback (mate.bench.tcp)
+    tcp: bool = False  # pingpong: also asyncio TCP streams on loopback (mate.bench.loopback)
     show_progress: bool = False
     uvloop: bool = False
 

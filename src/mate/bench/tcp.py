@@ -9,14 +9,8 @@ listening on 127.0.0.1 only, on a port the system picks; it serves one
 connection and exits at its end. Rank 0 writes `size` bytes and reads the
 echo (``readexactly``), `n` times per batch; the figure is half the round trip.
 The rows have the schema of `mate-bench`, transport "tcp-loopback", no
-baseline fields.
-
-`TcpBench` is the same ping-pong as a side of a launched `mate-bench pingpong
---tcp` run, taking turns with mate a repetition each at every size, as the
-baseline and the floor do: rank 1 is then the echo server, in its own event
-loop (which mate leaves idle meanwhile), and rank 0 the client. A phase is one
-connection: rank 0 opens it at the phase's first batch and closes it at its end,
-and rank 1's phase ends when the connection does.
+baseline fields. The echo and the timed round trips are `mate.bench.loopback`'s,
+which `mate-bench pingpong --tcp` runs beside mate in the same run.
 """
 
 from __future__ import annotations
@@ -25,46 +19,31 @@ import argparse
 import asyncio
 import contextlib
 import os
-import struct
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-import mate
 from mate.bench import stats
-from mate.bench.measure import Batch, Sample, clock, measure
+from mate.bench.loopback import HOST, echo, round_trips
+from mate.bench.measure import measure
 from mate.bench.report import ProgressBar, Result, Row, format_head, show_row
 
 TRANSPORT = "tcp-loopback"
-HOST = "127.0.0.1"
-CHUNK = 1 << 20
 START_TIMEOUT = 30.0  # seconds for the echo server to say its port
-PORT = struct.Struct("<H")  # the echo server's port, rank 1 to rank 0 (TcpBench)
-PORT_TAG = 6  # beside the tags of mate.bench.patterns and the driver's closing 3
-
-
-async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Echo what comes until the client closes."""
-    try:
-        while data := await reader.read(CHUNK):
-            writer.write(data)
-            await writer.drain()
-    finally:
-        writer.close()
 
 
 async def serve() -> None:
     """The echo server: one connection on 127.0.0.1, echoed until its end."""
     done = asyncio.get_running_loop().create_future()
 
-    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def echo_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await _echo(reader, writer)
+            await echo(reader, writer)
         finally:
             if not done.done():
                 done.set_result(None)
 
-    server = await asyncio.start_server(echo, HOST, 0)
+    server = await asyncio.start_server(echo_once, HOST, 0)
     port = server.sockets[0].getsockname()[1]
     print(port, flush=True)
     async with server:
@@ -107,7 +86,7 @@ async def run_tcp(sizes: Sequence[int], *, min_time: float, repetitions: int,
         try:
             for i, size in enumerate(sizes):
                 bar.update(i, f"{stats.format_size(size)} B")
-                m = await measure(_batch(reader, writer, out[:size]), size,
+                m = await measure(round_trips(reader, writer, out[:size]), size,
                                   min_time=min_time, repetitions=repetitions, divisor=2)
                 result.rows.append(Row.from_measurements(m))
                 show_row(result.rows[-1], False, bar)
@@ -124,79 +103,6 @@ async def run_tcp(sizes: Sequence[int], *, min_time: float, repetitions: int,
             process.kill()
             await process.wait()
     return result
-
-
-def _batch(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-           out: memoryview) -> Batch:
-    size = len(out)
-    write, readexactly = writer.write, reader.readexactly
-
-    async def batch(n: int) -> Sample:
-        start = clock()
-        for _ in range(n):
-            write(out)
-            await readexactly(size)
-        return Sample.since(n, start)
-
-    return batch
-
-
-class TcpBench:
-    """One rank's side of the TCP ping-pong in a launched mate-bench run (see the
-    module's docstring): rank 0 the client, rank 1 the echo server."""
-
-    def __init__(self, world: mate.World, sizes: Sequence[int]) -> None:
-        self.world = world
-        self.out = memoryview(bytearray(b"\x5a" * max(max(sizes), 1)))
-        self._port = 0
-        self._server: asyncio.Server | None = None
-        self._ended: asyncio.Queue[None] = asyncio.Queue()  # rank 1: a connection ended
-        self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-
-    async def setup(self) -> None:
-        word = bytearray(PORT.size)
-        if self.world.mypid == 1:
-            self._server = await asyncio.start_server(self._serve, HOST, 0)
-            PORT.pack_into(word, 0, self._server.sockets[0].getsockname()[1])
-            await self.world.send(word, 0, PORT_TAG)
-        else:
-            await self.world.recv(word, 1, PORT_TAG)
-            (self._port,) = PORT.unpack(word)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await _echo(reader, writer)
-        finally:
-            self._ended.put_nowait(None)
-
-    def batch(self, size: int) -> Batch:
-        """Rank 0: `n` round trips of `size` bytes, on the phase's connection."""
-        out = self.out[:size]
-
-        async def batch(n: int) -> Sample:
-            if self._stream is None:
-                self._stream = await asyncio.open_connection(HOST, self._port)
-            reader, writer = self._stream
-            return await _batch(reader, writer, out)(n)
-
-        return batch
-
-    async def end_phase(self, size: int) -> None:
-        """Rank 0: close the phase's connection, which ends rank 1's phase."""
-        if self._stream is not None:
-            writer, self._stream = self._stream[1], None
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-
-    async def serve_phase(self) -> None:
-        """Rank 1: echo the phase's connection until rank 0 closes it."""
-        await self._ended.get()
-
-    async def teardown(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -194,6 +194,73 @@ async def test_a_message_that_ends_in_the_transport_s_awaiting_makes_no_future()
     await world.shutdown()
 
 
+async def _awaiting(msg: mate.Message) -> mate.Receipt:
+    return await msg
+
+
+async def test_the_sink_counts_the_work_its_reports_give_the_loop() -> None:
+    """What ends the passes a task runs itself (`Transport.awaiting`): a report that
+    wakes an awaiter or queues a handler gives the loop work (`Sink.loop_work`); one
+    that ends a message nobody awaits yet gives none, and the passes may go on."""
+    loop = asyncio.get_running_loop()
+    world = World(loop, default_timeout=1.0, handlers="loop")
+    world.attach(_Silent())
+    sink = world.sink
+    before = sink.loop_work
+    unawaited = world.recv(bytearray(4), 1, 3)
+    sink.completed(unawaited, 4, 1, 3)
+    assert unawaited.done() and sink.loop_work == before
+
+    awaited = world.recv(bytearray(4), 1, 3)
+    waiting = asyncio.ensure_future(_awaiting(awaited))
+    await asyncio.sleep(0)  # the task now awaits it
+    sink.completed(awaited, 4, 1, 3)
+    assert sink.loop_work == before + 1
+    assert (await waiting).length == 4
+
+    handled: list[mate.Receipt] = []
+    scheduled = world.recv(bytearray(4), 1, 3,
+                           schedule=Schedule(completion=lambda r, d: handled.append(r)))
+    sink.completed(scheduled, 4, 1, 3)
+    assert sink.loop_work == before + 2 and not handled  # queued, not run yet
+    await asyncio.sleep(0)
+    assert handled == [scheduled.receipt]
+    await world.shutdown()
+
+
+class _SubmitsWhileAwaited(_Silent):
+    """A wire whose awaiting task sees a send submitted, and notes what `done()` said."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: list[bool] = []
+
+    def awaiting(self, op: Operation, done: Callable[[], bool]) -> None:
+        before = done()
+        if not op.submitted_seen:  # type: ignore[attr-defined]
+            self.sink.submitted(op)
+        self.said += [before, done()]
+
+
+async def test_the_awaiter_of_a_submission_is_done_at_the_submission() -> None:
+    """`done()` as the transport hears it is the awaiter's: submitted, for a task
+    that awaits the submission (its passes need not run to the completion)."""
+    loop = asyncio.get_running_loop()
+    world = World(loop, default_timeout=1.0, handlers="loop")
+    wire = _SubmitsWhileAwaited()
+    wire.bind(world.sink)
+    world.attach(wire)
+    send = world.send(b"abcd", 1, 3)
+    await send.submitted  # type: ignore[misc]
+    assert wire.said == [False, True]
+    waiting = asyncio.ensure_future(_awaiting(send))
+    await asyncio.sleep(0)
+    assert wire.said == [False, True, False, False]  # awaiting the completion
+    world.sink.completed(send, 4, 1, 3)
+    assert (await waiting).length == 4
+    await world.shutdown()
+
+
 async def test_with_handlers_on_the_loop_a_message_takes_no_lock() -> None:
     """Issue 11, point 3: no cross-thread lock when everything runs on the loop's
     thread. Another thread holds the ledger's lock while a message is posted, awaited,

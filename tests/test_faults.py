@@ -563,6 +563,10 @@ class Reordering(Transport):
     def call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
         self._sink.call_on_loop(fn, *args)
 
+    @property
+    def loop_work(self) -> int:
+        return self._sink.loop_work
+
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
         receives = [r for r in batch if r.op.op is Op.RECV]  # one report each: their outcome

@@ -33,7 +33,7 @@ class _RecordingLoop(asyncio.AbstractEventLoop):
 def _make(mode: str, loop: asyncio.AbstractEventLoop) -> Progress:
     if mode == "loop":
         return LoopProgress(loop, -1, lambda: False, lambda: None)
-    return PollProgress(loop, -1, lambda: False, lambda: None, lambda: 1)
+    return PollProgress(loop, -1, lambda: False, lambda: None, lambda: 1, lambda: 0)
 
 
 @pytest.mark.parametrize("mode", ["loop", "poll"])
@@ -59,15 +59,17 @@ def test_a_kick_from_another_thread_wakes_the_loop(mode: str) -> None:
 
 class _Passes:
     """A pass that moves at the `moves_at`-th call and then makes `done()` true if
-    `completes`; counts its calls."""
+    `completes`, and gives the loop work (`loop_work`) if `wakes`; counts its calls."""
 
-    def __init__(self, moves_at: int, completes: bool = True) -> None:
+    def __init__(self, moves_at: int, completes: bool = True, wakes: bool = False) -> None:
         self.calls, self.moves_at, self.completes, self.finished = 0, moves_at, completes, False
+        self.wakes, self.loop_work = wakes, 0
 
     def __call__(self) -> bool:
         self.calls += 1
         if self.calls == self.moves_at:
             self.finished = self.completes
+            self.loop_work += self.wakes
             return True
         return False
 
@@ -77,7 +79,7 @@ class _Passes:
 
 def _poller(passes: _Passes) -> tuple[PollProgress, _RecordingLoop]:
     loop = _RecordingLoop()
-    return PollProgress(loop, -1, passes, lambda: None, lambda: 1), loop
+    return PollProgress(loop, -1, passes, lambda: None, lambda: 1, lambda: passes.loop_work), loop
 
 
 def test_an_awaiting_task_runs_passes_until_what_it_awaits_is_done() -> None:
@@ -88,12 +90,21 @@ def test_an_awaiting_task_runs_passes_until_what_it_awaits_is_done() -> None:
     assert loop.calls == ["call_soon"]  # the poll it queued runs when the loop turns
 
 
-def test_an_awaiting_task_stops_at_a_pass_that_moved_something_else() -> None:
-    """What else a pass moved may be work for the loop (a task it woke): the loop turns."""
-    passes = _Passes(moves_at=3, completes=False)
+def test_an_awaiting_task_stops_at_a_pass_that_gave_the_loop_work() -> None:
+    """A pass that woke another task or queued a handler: the loop turns at once."""
+    passes = _Passes(moves_at=3, completes=False, wakes=True)
     progress, _ = _poller(passes)
     progress.awaiting(passes.done)
     assert not passes.done() and passes.calls == 3
+
+
+def test_an_awaiting_task_goes_on_past_a_pass_that_gave_the_loop_nothing() -> None:
+    """A pass that ended what nobody awaits yet (the receive beside an awaited send)
+    leaves the loop nothing to do: the task's passes go on, until the slice is over."""
+    passes = _Passes(moves_at=3, completes=False)
+    progress, _ = _poller(passes)
+    progress.awaiting(passes.done)
+    assert not passes.done() and passes.calls > 3
 
 
 def test_an_awaiting_task_holds_the_loop_at_most_a_slice_since_it_turned(

@@ -217,6 +217,10 @@ class Layer(Transport):
     def call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
         self._sink.call_on_loop(fn, *args)
 
+    @property
+    def loop_work(self) -> int:
+        return self._sink.loop_work
+
 
 class Overtaking(Layer):
     """Sends posted in one turn of the loop leave in reverse order."""

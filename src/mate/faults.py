@@ -317,6 +317,7 @@ class FaultyTransport(Transport):
         self._payloads: dict[Operation, _Arrival | None] = {}  # payload receive -> its message
         self._inbox: list[Report] = []  # reports on the layer's receives, for `_drain`
         self._draining = False
+        self._soon_calls = 0  # work the layer gave the loop itself (see loop_work)
         inner.bind(self)
         if self.sequenced:
             with self._lock:
@@ -641,8 +642,14 @@ class FaultyTransport(Transport):
     def call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
         self._sink.call_on_loop(fn, *args)
 
+    @property
+    def loop_work(self) -> int:
+        """The world's, and the layer's own (a drain of its receives, a message let go)."""
+        return self._sink.loop_work + self._soon_calls
+
     def _soon(self, fn: Callable[..., None], *args: Any) -> None:
         """Run `fn(*args)` on the loop after the current call (never inside a post)."""
+        self._soon_calls += 1
         if threading.get_ident() == self._loop_thread:
             self._loop.call_soon(fn, *args)
         else:

@@ -84,6 +84,9 @@ class Ledger:
         # Counters for stats(): messages and bytes completed by op, and other endings.
         self._completed = {op: _Completed() for op in Op}
         self._endings = {State.TIMED_OUT: 0, State.FAILED: 0, State.CANCELLED: 0}
+        # The sink's `loop_work`: how many times reports gave the loop work (an awaiter
+        # woken, a handler dispatched, a call made on the loop).
+        self.loop_work = 0
         self.transport: Transport | None = None  # the world's, set by attach
         self.mypid = 0
         self._numprocs = 0
@@ -195,6 +198,7 @@ class Ledger:
             raise first
 
     def call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        self.loop_work += 1
         self._entry.call_on_loop(fn, *args)
 
     def _route(self, report: Report) -> None:
@@ -239,8 +243,10 @@ class Ledger:
             for event in step.events:
                 handler, data = schedule.handler_for(event)
                 if handler is not None:
+                    self.loop_work += 1
                     self._dispatcher.dispatch(handler, msg.receipt_for(event), data)
         if woken:
+            self.loop_work += 1
             if self._threaded:
                 self._entry.call_on_loop(_wake_all, woken)
             else:  # on the loop's thread already
@@ -277,7 +283,7 @@ class Ledger:
         passes itself (poll mode) may end the message there, and then no future is
         made, resolved and awaited for it."""
         if self.transport is not None and not self.closed:
-            self.transport.awaiting(msg, msg.done)
+            self.transport.awaiting(msg, msg.submitted_or_done if submission else msg.done)
             if msg.done() or (submission and msg.submitted_seen):
                 return None
         future = self._loop.create_future()

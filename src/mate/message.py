@@ -155,6 +155,10 @@ class Message(Operation):
         state = self._state
         return state is not _POSTED and state is not _SUBMITTED
 
+    def submitted_or_done(self) -> bool:
+        """True once an awaiter of the submission has nothing left to wait for."""
+        return self.submitted_seen or self.done()
+
     @property
     def receipt(self) -> Receipt:
         """What is known of the message now; final once it is done."""

@@ -122,6 +122,13 @@ def failure(reason: FailureReason, detail: str = "",
 class Sink(Protocol):
     """What a transport reports back to the core; callable from any thread."""
 
+    @property
+    def loop_work(self) -> int:
+        """How many times reports (and `call_on_loop`) gave the event loop work: a
+        woken awaiter, a handler to run. A transport whose awaiting task runs passes
+        itself (`Transport.awaiting`) stops when it moves: the task would hold that
+        work up."""
+
     def submitted(self, op: Operation) -> None:
         """The local buffer is no longer read (send and put)."""
 
@@ -197,7 +204,10 @@ class Transport(abc.ABC):
         """Drive progress by hand (mate_progress); a no-op with independent progress."""
 
     def awaiting(self, op: Operation, done: Callable[[], bool]) -> None:  # noqa: B027
-        """A task awaits `op` until `done()`: transports driven by hand drive it until then."""
+        """A task awaits `op` until `done()`: transports driven by hand drive it until then.
+
+        A transport may also run passes right here, in the awaiting task, until
+        `done()` or until the sink's `loop_work` moves."""
 
     def stats(self) -> dict[str, int]:
         """The transport's counters (`world.stats()`); none by default."""

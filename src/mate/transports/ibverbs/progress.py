@@ -14,8 +14,10 @@ who calls it:
   to `MAX_BACKOFF`); the channel's reader stays on, so a poller that backed
   off still wakes at once when something arrives. While it is busy, a task
   that awaits an operation runs passes itself first (`awaiting`), for at
-  most `SLICE` since the loop last turned and until a pass moves anything:
-  a reply that comes meanwhile costs no turn of the loop.
+  most `SLICE` since the loop last turned, until `done()` or until a pass
+  gives the loop work (the core's `loop_work` moves: another task woken, a
+  handler queued): a reply that comes meanwhile costs no turn of the loop,
+  nor does a message that ends awaited by nobody yet.
 * `ThreadProgress` (``thread``): a progress thread blocks in `select` on the
   completion channel (and an eventfd that `kick` and `stop` write); passes
   and, with ``handlers="progress"``, handlers run there.
@@ -125,9 +127,11 @@ class LoopProgress(Progress):
 
 class PollProgress(LoopProgress):
     def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, run_pass: Pass,
-                 deliver: Callable[[], None], outstanding: Callable[[], int]) -> None:
+                 deliver: Callable[[], None], outstanding: Callable[[], int],
+                 loop_work: Callable[[], int]) -> None:
         super().__init__(loop, fd, run_pass, deliver)
         self.outstanding = outstanding
+        self.loop_work = loop_work  # the core's `Sink.loop_work`
         self._polling = False
         self._last_moved = 0.0
         self._pause = 0.0
@@ -141,10 +145,12 @@ class PollProgress(LoopProgress):
         if self._soon_at is None:
             return  # backing off: what the task awaits is not expected soon
         give_up = self._soon_at + SLICE
+        mark = self.loop_work()
         while not done() and time.monotonic() < give_up:
             if self._guarded():
                 self._last_moved, self._pause = time.monotonic(), 0.0
-                return
+                if self.loop_work() != mark:
+                    return
 
     def kick(self) -> None:  # a poll is a pass, which delivers the reports too
         if self._polling or self._stopped:

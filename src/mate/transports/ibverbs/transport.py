@@ -101,7 +101,7 @@ class IbverbsTransport(Transport):
             self._progress = ThreadProgress(loop, fd, self.run_pass, self._deliver)
         elif progress == "poll":
             self._progress = PollProgress(loop, fd, self.run_pass, self._deliver,
-                                          engine.outstanding)
+                                          engine.outstanding, lambda: self._sink.loop_work)
         else:
             self._progress = LoopProgress(loop, fd, self.run_pass, self._deliver)
         for cq in self._cqs:

@@ -12,12 +12,12 @@ each a small strategy of its own sharing one `Backoff`:
   passes while they move (`loop_slice`: MPICH takes in one message per call,
   so a window of messages completes in one callback). A task that awaits a
   message runs passes itself first (`await_spin`), within the same bound of
-  SLICE since the loop last turned: a reply that comes meanwhile costs no
-  turn of the loop and no wake-up of the task, which is what lets an awaited
-  ping-pong go below the asyncio floor (a loop callback per test). After
-  `SPIN` seconds without progress it backs off to timers of growing delay (up
-  to `MAX_BACKOFF`, and `LONG_IDLE_BACKOFF` once nothing moved for
-  `LONG_IDLE`), and with only the transport's own standing receives left it
+  SLICE since the loop last turned and until the loop has other work: a reply
+  that comes meanwhile costs no turn of the loop and no wake-up of the task,
+  which is what lets an awaited ping-pong go below the asyncio floor (a loop
+  callback per test). After `SPIN` seconds without progress it backs off to
+  timers of growing delay (up to `MAX_BACKOFF`, and `LONG_IDLE_BACKOFF` once
+  nothing moved for `LONG_IDLE`), and with only the transport's own standing receives left it
   polls every `IDLE_INTERVAL`, so that an idle rank does not spin but still
   serves peers' one-sided requests. A rank whose exposed memory peers use
   through native RMA is *hot* and never backs off (see `Engine.hot`).
@@ -132,6 +132,10 @@ LOOK_EVERY: Final = 8  # ... looking at the front's requests every this many
 
 # Read once: through the module, each use costs a dictionary and an attribute lookup.
 _REQUEST_NULL: Final = MPI.REQUEST_NULL
+
+
+def _no_loop_work() -> int:
+    return 0  # an engine with no core above it (tests, bench/window_passes.py)
 
 
 class Entry:
@@ -322,6 +326,8 @@ class Engine:
         #: is a native put or get (the transport's control message); None: nobody to
         #: tell, transfers only hold this rank's backoff.
         self.nudge: Callable[[int, int, bool], None] | None = None
+        #: The core's count of work that reports gave the loop (`Sink.loop_work`).
+        self.loop_work: Callable[[], int] = _no_loop_work
         self.passes = 0
         self.lock = Lock()  # guards the inbox (mypyc's lock: two C calls a pass)
         # A progress thread sleeps on it. Whatever makes work for the thread notifies it
@@ -781,15 +787,20 @@ def loop_slice(engine: Engine, test: Callable[[bool], bool]) -> None:
 
 
 def await_spin(engine: Engine, done: Callable[[], bool], give_up: float) -> None:
-    """Passes run by a task that awaits, until `done()`, a pass moves, or `give_up`.
+    """Passes run by a task that awaits, until `done()`, the loop has work, or `give_up`.
 
     A message that completes while its task spins here is awaited with no turn
     of the loop and no wake-up of the task. Bounded as `loop_slice` is: only
-    while the loop turned within the last SLICE, and over at the first pass
-    that moves anything, since what else it moved may be work for the loop.
+    while the loop turned within the last SLICE, and over once what the passes
+    moved gave the loop work (`Engine.loop_work`: another task woken, a handler
+    queued), which this task's spinning would hold up. Messages that merely end,
+    awaited by nobody yet (the receive posted beside an awaited send), need no
+    turn of the loop and do not stop it.
     """
+    loop_work = engine.loop_work
+    mark = loop_work()
     while not done() and time.monotonic() < give_up:
-        if engine.test(True):
+        if engine.test(True) and loop_work() != mark:
             return
 
 

@@ -105,6 +105,7 @@ class MpiTransport(Transport):
                              self._hot_spot, loop_helps=handlers == "loop")
         self.control = ControlChannel(self.engine, self.tag_max, self._on_control)
         self.engine.nudge = self._nudge
+        self.engine.loop_work = lambda: self._sink.loop_work  # the sink of the moment
         self._nudges_sent = self._nudges_received = 0
         self.rma: Rma
         if rma == "auto":

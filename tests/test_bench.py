@@ -323,8 +323,8 @@ def test_sides_calibrate_apart_then_take_turns_one_repetition_each() -> None:
         async def serve_phase(self) -> None:  # type: ignore[override]
             served.append(self.label)
 
-    asyncio.run(driver._serve(opts, MateServer("mate"), Server("raw"),  # type: ignore[arg-type]
-                              MateServer("floor"), MateServer("tcp")))  # type: ignore[arg-type]
+    beside = {"raw": Server("raw"), "floor": MateServer("floor"), "tcp": MateServer("tcp")}
+    asyncio.run(driver._serve(opts, MateServer("mate"), beside))  # type: ignore[arg-type]
     assert served == [p[-1] for p in phases] * len(opts.sweep)
 
 

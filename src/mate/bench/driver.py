@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import mate
 from mate import native, registry
@@ -127,9 +127,24 @@ class _Side:
         self.samples: list[Sample] = []
 
     async def end_phase(self) -> None:
-        ended = self._end_phase()
-        if ended is not None:
-            await ended
+        await _step(self._end_phase())
+
+
+class _Beside(Protocol):
+    """What is measured beside mate (raw MPI, the asyncio floor, TCP on loopback): the
+    same phases as mate's, each step a blocking call or a coroutine."""
+
+    def batch(self, size: int) -> Batch: ...
+
+    def end_phase(self, size: int) -> Coroutine[Any, Any, None] | None: ...
+
+    def serve_phase(self) -> Coroutine[Any, Any, None] | None: ...
+
+
+async def _step(step: Coroutine[Any, Any, None] | None) -> None:
+    """A phase's step, done: awaited if it is a coroutine (a blocking call is done)."""
+    if step is not None:
+        await step
 
 
 async def _measure_sides(opts: Options, sides: list[_Side], size: int,
@@ -157,14 +172,14 @@ async def _measure_sides(opts: Options, sides: list[_Side], size: int,
     return [Measurement(size, tuple(side.samples), per) for side in sides]
 
 
-async def _lead(opts: Options, bench: MateBench, raw: RawBench | None,
-                floor: FloorBench | None, tcp: TcpBench | None, result: Result) -> None:
-    """Rank 0: the sweep, mate beside raw (with a baseline), the asyncio floor (with
-    `--floor`) and TCP streams (with `--tcp`) at every size, into `result`; the table
-    goes to stdout as the sweep goes."""
+async def _lead(opts: Options, bench: MateBench, beside: dict[str, _Beside],
+                result: Result) -> None:
+    """Rank 0: the sweep, mate and then each side `beside` it ("raw" with a baseline,
+    "floor" with `--floor`, "tcp" with `--tcp`) at every size, into `result`; the
+    table goes to stdout as the sweep goes."""
     sizes = opts.sweep
     bar = ProgressBar(len(sizes), f"{opts.pattern} {opts.transport}", opts.show_progress)
-    print(format_head(result, raw is not None), flush=True)
+    print(format_head(result, "raw" in beside), flush=True)
     # What rank 0's world counted while mate ran each size (world.stats(): messages,
     # bytes, and the transport's own counters such as pin-cache hits), by size. Raw
     # MPI and the floor do not go through the world, so they add nothing to it.
@@ -172,12 +187,8 @@ async def _lead(opts: Options, bench: MateBench, raw: RawBench | None,
     try:
         for i, size in enumerate(sizes):
             sides = [_Side("mate", bench.batch(size), partial(bench.end_phase, size))]
-            if raw is not None:
-                sides.append(_Side("raw", raw.batch(size), partial(raw.end_phase, size)))
-            if floor is not None:
-                sides.append(_Side("floor", floor.batch(size), partial(floor.end_phase, size)))
-            if tcp is not None:
-                sides.append(_Side("tcp", tcp.batch(size), partial(tcp.end_phase, size)))
+            sides += [_Side(label, side.batch(size), partial(side.end_phase, size))
+                      for label, side in beside.items()]
 
             def show(side: str, i: int = i, label: str = stats.format_size(size)) -> None:
                 bar.update(i, f"{label} B {side}")
@@ -189,25 +200,20 @@ async def _lead(opts: Options, bench: MateBench, raw: RawBench | None,
             by_side = {side.label: m for side, m in zip(sides, measured, strict=True)}
             result.rows.append(Row.from_measurements(by_side["mate"], by_side.get("raw"),
                                                      by_side.get("floor"), by_side.get("tcp")))
-            show_row(result.rows[-1], raw is not None, bar, rate=opts.pattern == "rate")
+            show_row(result.rows[-1], "raw" in beside, bar, rate=opts.pattern == "rate")
         bar.update(len(sizes), "done")
     finally:
         bar.clear()
 
 
-async def _serve(opts: Options, bench: MateBench, raw: RawBench | None,
-                 floor: FloorBench | None, tcp: TcpBench | None) -> None:
+async def _serve(opts: Options, bench: MateBench, beside: dict[str, _Beside]) -> None:
     """Rank 1: serve every phase, in the order rank 0 runs them: at every size, the
     calibration and then each round of repetitions, side by side."""
     for _ in opts.sweep:
         for _ in range(1 + opts.repetitions):
             await bench.serve_phase()
-            if raw is not None:
-                raw.serve_phase()
-            if floor is not None:
-                await floor.serve_phase()
-            if tcp is not None:
-                await tcp.serve_phase()
+            for side in beside.values():
+                await _step(side.serve_phase())
 
 
 async def run_local(opts: Options) -> Result:
@@ -218,8 +224,7 @@ async def run_local(opts: Options) -> Result:
     async with mate.local.worlds(2) as (w0, w1):
         lead, serve = _mate_bench(opts, w0), _mate_bench(opts, w1)
         await asyncio.gather(lead.setup(), serve.setup())
-        await asyncio.gather(_lead(opts, lead, None, None, None, result),
-                             _serve(opts, serve, None, None, None))
+        await asyncio.gather(_lead(opts, lead, {}, result), _serve(opts, serve, {}))
         await asyncio.gather(lead.teardown(), serve.teardown())
     return result
 
@@ -242,12 +247,16 @@ async def run_launched(opts: Options) -> Result | None:
             await tcp.setup()
         if raw is not None:
             raw.setup()
+        # In the same order on both ranks: rank 1 serves the phases rank 0 runs.
+        beside: dict[str, _Beside] = {label: side for label, side in
+                                      (("raw", raw), ("floor", floor), ("tcp", tcp))
+                                      if side is not None}
         result: Result | None = None
         if world.mypid == 0:
             result = new_result(opts)
-            await _lead(opts, bench, raw, floor, tcp, result)
+            await _lead(opts, bench, beside, result)
         else:
-            await _serve(opts, bench, raw, floor, tcp)
+            await _serve(opts, bench, beside)
         await bench.teardown()
         if tcp is not None:
             await tcp.teardown()

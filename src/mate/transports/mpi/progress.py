@@ -17,10 +17,10 @@ each a small strategy of its own sharing one `Backoff`:
   which is what lets an awaited ping-pong go below the asyncio floor (a loop
   callback per test). After `SPIN` seconds without progress it backs off to
   timers of growing delay (up to `MAX_BACKOFF`, and `LONG_IDLE_BACKOFF` once
-  nothing moved for `LONG_IDLE`), and with only the transport's own standing receives left it
-  polls every `IDLE_INTERVAL`, so that an idle rank does not spin but still
-  serves peers' one-sided requests. A rank whose exposed memory peers use
-  through native RMA is *hot* and never backs off (see `Engine.hot`).
+  nothing moved for `LONG_IDLE`), and with only the transport's own standing
+  receives left it polls every `IDLE_INTERVAL`, so that an idle rank does not
+  spin but still serves peers' one-sided requests. A rank whose exposed memory
+  peers use through native RMA is *hot* and never backs off (see `Engine.hot`).
 * `ThreadProgress` (``thread``): a progress thread (MPI_THREAD_MULTIPLE) runs
   the passes, with the same backoff done by sleeping, and sleeps on a
   condition when nothing at all is outstanding. With handlers on the loop, a

@@ -228,6 +228,7 @@ def test_a_transfer_holds_the_backoff_and_nudges_its_peer_ever_less_often(
     sent = nudges_over(recorder, 0.040, posted)
     # The first after SPIN, then each after twice the wait before: ~2, 6, 14, 30 ms.
     assert 3 <= len(sent) <= 5, sent
+    assert recorder.engine.late_nudges == len(sent)
     assert sent[0] >= progress.SPIN
     gaps = [b - a for a, b in itertools.pairwise(sent)]
     assert all(later >= 1.5 * earlier for earlier, later in itertools.pairwise(gaps))

@@ -320,8 +320,9 @@ async def test_auto_rma_moves_small_transfers_natively_and_large_ones_two_sided(
 
 async def test_a_large_native_put_or_get_tells_its_target_to_poll(fabric: Fabric) -> None:
     """A passive target sees no sign of a native put or get, yet MPICH moves a large one
-    only inside the target's MPI calls: the origin nudges the target first, once per
-    operation of TRANSFER_SIZE bytes or more, and never for a smaller one."""
+    only inside the target's MPI calls: the origin nudges the target as it issues each
+    operation of TRANSFER_SIZE bytes or more, and never for a smaller one. (One still
+    under way SPIN later nudges again, late: a loaded host may take that long.)"""
     from mate.transports.mpi.progress import TRANSFER_SIZE
 
     async def program(world: mate.World) -> None:
@@ -342,10 +343,12 @@ async def test_a_large_native_put_or_get_tells_its_target_to_poll(fabric: Fabric
             back = bytearray(TRANSFER_SIZE)
             await world.get(back, 1, base + TRANSFER_SIZE)
             assert back == data
-            assert world.stats()["nudges_sent"] - before["nudges_sent"] == 2
+            after = world.stats()
+            late = after["nudges_late"] - before["nudges_late"]
+            assert after["nudges_sent"] - before["nudges_sent"] - late == 2
         await barrier(world)
         if region is not None:
-            assert world.stats()["nudges_received"] - before["nudges_received"] == 2
+            assert world.stats()["nudges_received"] - before["nudges_received"] >= 2
             await world.unexpose(region)
         await barrier(world)
 

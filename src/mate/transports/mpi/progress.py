@@ -326,6 +326,7 @@ class Engine:
         #: is a native put or get (the transport's control message); None: nobody to
         #: tell, transfers only hold this rank's backoff.
         self.nudge: Callable[[int, int, bool], None] | None = None
+        self.late_nudges = 0  # sent for transfers not complete at their time
         #: The core's count of work that reports gave the loop (`Sink.loop_work`).
         self.loop_work: Callable[[], int] = _no_loop_work
         self.passes = 0
@@ -424,6 +425,7 @@ class Engine:
                 transfer.nudge_at = now + transfer.wait
                 self._hold(transfer.nbytes, transfer.one_sided)  # a native one: pokes too
                 if self.nudge is not None:
+                    self.late_nudges += 1
                     self._guarded(entry.owner, self.nudge, transfer.peer, transfer.nbytes,
                                   transfer.one_sided)
             due = min(due, transfer.nudge_at)

@@ -288,7 +288,7 @@ class MpiTransport(Transport):
 
     def stats(self) -> dict[str, int]:
         return {"requests": self.engine.user_outstanding, "orphaned_sends": self.engine.orphans,
-                "nudges_sent": self._nudges_sent,
+                "nudges_sent": self._nudges_sent, "nudges_late": self.engine.late_nudges,
                 "nudges_received": self._nudges_received, **self.rma.counters()}
 
     async def shutdown(self) -> None:

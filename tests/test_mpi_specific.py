@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from conftest import LAUNCH_OPTIONS, LAUNCHED, THREADED, Fabric, barrier
@@ -35,6 +36,18 @@ async def counting_wake_ups(pause: float = 0.0) -> AsyncIterator[Callable[[], in
     finally:
         done = True
         await counter
+
+
+async def fewest_turns(attempt: Callable[[], Awaitable[None]], attempts: int = 3) -> int:
+    """The fewest turns of the event loop that `attempt` took in `attempts` runs. A
+    spin is bounded in time, so a host that takes a rank's core away (another job on
+    these 2 cores) makes it give up whatever mate does: one quiet run must show it."""
+    fewest = sys.maxsize
+    for _ in range(attempts):
+        async with counting_wake_ups() as turns:
+            await attempt()
+        fewest = min(fewest, turns())
+    return fewest
 
 
 async def round_trip(world: mate.World, out: bytearray, into: bytearray, tag: int) -> None:
@@ -531,17 +544,21 @@ async def test_a_ping_pong_awaited_while_passes_spin_needs_few_turns_of_the_loop
     """A task that awaits a message runs passes itself for a while (`await_spin`): a
     reply that comes meanwhile is awaited with no turn of the loop. Awaited through the
     loop, each of the 200 rounds costs at least two turns on each rank (404 and 800
-    counted here); with the spin, 14-24 in most runs, and 155 on a busy host."""
+    counted here); with the spin, 14-24 in most runs, and 155-557 with two busy
+    loops beside the ranks (the best of three runs counts)."""
     rounds = 200
 
     async def program(world: mate.World) -> None:
         await barrier(world)
         if world.mypid <= 1:
             buf = bytearray(8)
-            async with counting_wake_ups() as turns:
+
+            async def attempt() -> None:
                 for _ in range(rounds):
                     await round_trip(world, buf, buf, 23)
-            assert turns() < rounds, turns()
+
+            turns = await fewest_turns(attempt)
+            assert turns < rounds, turns
         await barrier(world)
 
     async with fabric.open() as group:
@@ -563,12 +580,15 @@ async def test_a_ping_ping_awaited_while_passes_spin_needs_few_turns_of_the_loop
         if world.mypid <= 1:
             peer = 1 - world.mypid
             out, into = bytearray(8), bytearray(8)
-            async with counting_wake_ups() as turns:
+
+            async def attempt() -> None:
                 for _ in range(rounds):
                     incoming = world.recv(into, peer, tag=26)
                     await world.send(out, peer, tag=26)
                     await incoming
-            assert turns() < rounds // 2, turns()
+
+            turns = await fewest_turns(attempt)
+            assert turns < rounds // 2, turns
         await barrier(world)
 
     async with fabric.open() as group:

@@ -548,8 +548,8 @@ async def test_a_ping_pong_awaited_while_passes_spin_needs_few_turns_of_the_loop
     """A task that awaits a message runs passes itself for a while (`await_spin`): a
     reply that comes meanwhile is awaited with no turn of the loop. Awaited through the
     loop, each of the 200 rounds costs at least two turns on each rank (404 and 800
-    counted here); with the spin, 14-24 in most runs, and 155-557 with two busy
-    loops beside the ranks (the best of three runs counts)."""
+    counted here); with the spin, 14-24 in most runs, 155 on a busy host, and up to 557
+    with two busy loops beside the ranks (so the best of three runs counts)."""
     rounds = 200
 
     async def program(world: mate.World) -> None:

@@ -186,6 +186,26 @@ def test_orphaned_and_cancelled_requests_leave_the_order_intact(recorder: Record
     assert recorder.seen[("recv", 0)][0] == 0 and recorder.engine.orphans == 0
 
 
+def test_a_receive_cancelled_before_the_engine_took_it_in_is_cancelled_as_it_is(
+        recorder: Recorder) -> None:
+    """Thread mode hands a receive posted on the loop to the progress context through
+    its inbox. A cancel may come first: an emulated get's refusal, found in the pass
+    during which the get was posted. Lost, it would leave the receive waiting for data
+    that never comes (the get timed out instead of failing, or hung without a timeout)."""
+    buffer = bytearray(1)
+    recorder.buffers.append(buffer)
+    entry = Entry(recorder.comm.Irecv(buffer, 0, 7), recorder.action, ("recv", 7),
+                  standing=False, receive=True)
+    recorder.engine.call(recorder.engine._add_entry, entry)  # as `Engine.add` in thread mode
+    recorder.engine.cancel(entry)
+    recorder.engine.cancel(entry)  # asked again (a timeout's, then shutdown's): once only
+    for _ in range(3):
+        recorder.engine.test()
+    assert recorder.seen[("recv", 7)][2], "not cancelled"
+    recorder.engine.cancel(entry)  # gone now: nothing to cancel
+    assert recorder.engine.user_outstanding == 0
+
+
 # -- transfers: large requests hold the backoff and nudge their peers -----------------------
 
 

@@ -331,6 +331,37 @@ async def test_auto_rma_moves_small_transfers_natively_and_large_ones_two_sided(
         await group.run(program)
 
 
+async def test_refused_emulated_gets_posted_in_bursts_all_fail_none_times_out(
+        fabric: Fabric) -> None:
+    """An emulated get outside the target's regions is refused, and the origin then
+    cancels the get's receive. In thread mode that receive may still wait in the
+    engine's inbox when the refusal comes: such a cancel was lost, and 1.1-1.4 % of
+    the gets here timed out instead of failing (Engine.cancel)."""
+    bursts, burst = 20, 50
+
+    async def program(world: mate.World) -> None:
+        memory = bytearray(64)
+        region = world.expose(memory)
+        word = bytearray(8)
+        if world.mypid <= 1:
+            peer = 1 - world.mypid
+            incoming = world.recv(word, peer, tag=27)
+            await world.send(region.address.to_bytes(8, "little"), peer, tag=27)
+            await incoming
+            outside = int.from_bytes(word, "little") - 1
+            for _ in range(bursts):
+                gets = [world.get(bytearray(8), peer, outside, timeout=0.5)
+                        for _ in range(burst)]
+                outcomes = await asyncio.gather(*gets, return_exceptions=True)
+                reasons = {getattr(o, "reason", type(o).__name__) for o in outcomes}
+                assert reasons == {mate.FailureReason.REMOTE_ACCESS}, reasons
+        await barrier(world)
+        await world.unexpose(region)
+
+    async with fabric.open(rma="emulated") as group:
+        await group.run(program)
+
+
 async def test_a_large_native_put_or_get_tells_its_target_to_poll(fabric: Fabric) -> None:
     """A passive target sees no sign of a native put or get, yet MPICH moves a large one
     only inside the target's MPI calls: the origin nudges the target as it issues each

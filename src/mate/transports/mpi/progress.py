@@ -138,6 +138,12 @@ def _no_loop_work() -> int:
     return 0  # an engine with no core above it (tests, bench/window_passes.py)
 
 
+#: `Entry.index` of a request handed to the progress context but not taken in yet
+#: (thread mode's inbox), and of one that left the engine (it completed, or was freed).
+TAKING_IN: Final = -2
+GONE: Final = -1
+
+
 class Entry:
     """What the engine knows of one outstanding request."""
 
@@ -152,7 +158,7 @@ class Entry:
         self.standing = standing  # the transport's own, not a user message
         self.receive = receive  # receives are the only requests ever cancelled ...
         self.cancelled = False  # ... and only once (Engine.cancel)
-        self.index = -1  # position in its request list (`_Requests`)
+        self.index = TAKING_IN  # position in its request list (`_Requests`), or GONE
         self.transfer = transfer
 
 
@@ -222,7 +228,7 @@ class _Requests:
         i = entry.index
         self.requests[i] = _REQUEST_NULL
         self.entries[i] = None
-        entry.index = -1
+        entry.index = GONE
         self._count -= 1
         self.changed = True
         if i == self.first:
@@ -378,6 +384,8 @@ class Engine:
 
     def _add(self, entry: Entry) -> None:
         (self._standing if entry.standing else self._live).add(entry)
+        if entry.cancelled:  # asked while it waited in the inbox (`cancel`)
+            entry.request.Cancel()
         self.backoff.moved()
         transfer = entry.transfer
         if transfer is not None:
@@ -703,10 +711,14 @@ class Engine:
         MPICH's ch4 device corrupts a request made between two MPI_Cancel calls on
         one wildcard receive, so a receive whose cancel was asked again before a
         pass tested it (a timeout's, then shutdown's) must not be cancelled again.
+        A receive posted from the loop in thread mode may still wait in the inbox
+        when its cancel comes (an emulated get's refusal, answered within the
+        pass that found it): it is cancelled as the engine takes it in (`_add`).
         """
-        if entry.receive and not entry.cancelled and entry.index >= 0:  # still outstanding
+        if entry.receive and not entry.cancelled and entry.index != GONE:  # outstanding
             entry.cancelled = True
-            entry.request.Cancel()
+            if entry.index >= 0:
+                entry.request.Cancel()
 
     def cancel_receives(self, *, standing: bool) -> None:
         """Cancel the outstanding user receives (and the standing ones if `standing`)."""

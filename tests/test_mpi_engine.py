@@ -206,6 +206,46 @@ def test_a_receive_cancelled_before_the_engine_took_it_in_is_cancelled_as_it_is(
     assert recorder.engine.user_outstanding == 0
 
 
+def test_a_send_disowned_before_the_engine_took_it_in_is_taken_in_as_an_orphan(
+        recorder: Recorder) -> None:
+    """An emulated get's send, posted from a control message in thread mode, waits in
+    the inbox until the next pass; the origin's abandon may be served first. Had the
+    send stayed live, it would count as outstanding (no back-off, a shutdown drain
+    waiting for it) though nothing will ever match it."""
+    engine = recorder.engine
+    entry = Entry(recorder.comm.Issend(b"x", 0, 8), recorder.action, ("send", 8),
+                  standing=False, receive=False)
+    engine.call(engine._add_entry, entry)  # as `Engine.add` in thread mode
+    assert engine.disown(entry), "a send not yet taken in is not complete"
+    engine.test()
+    assert engine.user_outstanding == 0 and engine.orphans == 1
+    recorder.comm.Recv(bytearray(1), 0, 8)  # MPI finishes the orphan, which then leaves
+    time.sleep(progress.ORPHAN_INTERVAL)
+    engine.test()
+    assert ("send", 8) in recorder.seen and engine.orphans == 0
+
+
+def test_cancelling_all_receives_reaches_those_still_in_the_inbox(recorder: Recorder) -> None:
+    """Shutdown cancels every receive once the progress thread has stopped; the control
+    channel's standing receive, reposted by the thread's last pass, is still in the
+    inbox, and left posted it would wait out the drain and stay with MPI at
+    MPI_Finalize."""
+    engine = recorder.engine
+    entries = []
+    for tag, standing in ((9, False), (10, True)):
+        buffer = bytearray(1)
+        recorder.buffers.append(buffer)
+        entries.append(Entry(recorder.comm.Irecv(buffer, 0, tag), recorder.action,
+                             ("recv", tag), standing=standing, receive=True))
+        engine.call(engine._add_entry, entries[-1])
+    engine.cancel_receives(standing=False)
+    assert [entry.cancelled for entry in entries] == [True, False]
+    engine.cancel_receives(standing=True)
+    for _ in range(3):
+        engine.test()
+    assert recorder.seen[("recv", 9)][2] and recorder.seen[("recv", 10)][2]
+
+
 # -- transfers: large requests hold the backoff and nudge their peers -----------------------
 
 

@@ -139,8 +139,10 @@ def _no_loop_work() -> int:
 
 
 #: `Entry.index` of a request handed to the progress context but not taken in yet
-#: (thread mode's inbox), and of one that left the engine (it completed, or was freed).
+#: (thread mode's inbox), of one disowned meanwhile (taken in as an orphan), and of
+#: one that left the engine (it completed, or was freed).
 TAKING_IN: Final = -2
+DISOWNED: Final = -3
 GONE: Final = -1
 
 
@@ -383,6 +385,9 @@ class Engine:
         return entry
 
     def _add(self, entry: Entry) -> None:
+        if entry.index == DISOWNED:  # while it waited in the inbox (`disown`)
+            self._orphans.add(entry)
+            return
         (self._standing if entry.standing else self._live).add(entry)
         if entry.cancelled:  # asked while it waited in the inbox (`cancel`)
             entry.request.Cancel()
@@ -721,7 +726,14 @@ class Engine:
                 entry.request.Cancel()
 
     def cancel_receives(self, *, standing: bool) -> None:
-        """Cancel the outstanding user receives (and the standing ones if `standing`)."""
+        """Cancel the outstanding user receives (and the standing ones if `standing`),
+        those still waiting in the inbox too: in thread mode a pass that serves a control
+        message reposts the standing receive through it, and may be the thread's last."""
+        with self.lock:
+            waiting = [args[0] for fn, args, _ in self._inbox if fn is self._add_entry]
+        for entry in waiting:
+            if standing or not entry.standing:
+                self.cancel(entry)
         for group in (self._live, self._standing) if standing else (self._live,):
             for entry in group.entries:
                 if entry is not None:
@@ -730,8 +742,13 @@ class Engine:
     def disown(self, entry: Entry) -> bool:
         """Move a live request to the orphans (tested rarely, so MPI can free it).
 
-        False if it is not live (it completed already). Progress context only.
+        False if it is not live (it completed already). One still waiting in the inbox
+        (thread mode: an emulated get's send, abandoned in the pass that posted it) is
+        taken in as an orphan. Progress context only.
         """
+        if entry.index == TAKING_IN:
+            entry.index = DISOWNED
+            return True
         group = self._standing if entry.standing else self._live
         if not group.holds(entry):
             return False

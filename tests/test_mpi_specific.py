@@ -502,6 +502,34 @@ async def test_a_message_a_closed_world_left_unreceived_never_reaches_the_next(
         await group.run(receive_nothing)
 
 
+async def test_a_shutting_down_rank_nudges_no_peer(fabric: Fabric) -> None:
+    """Found by the conformance suite and this module run in one process (issue 11):
+    a large send that cannot be abandoned stays a transfer through shutdown, and its
+    rank nudged the peer on and on while it waited at the meetings, so a nudge could
+    come after the peer had freed its communicators. MPI keeps such a message queued
+    and gives the freed context id to a later communicator: a later world's receive
+    on tag 1 (the control channel's) took it. Shutdown now sends no nudge."""
+    from mate.transports.mpi.progress import TRANSFER_SIZE
+
+    async def program(world: mate.World) -> None:
+        if world.mypid == 1:
+            await asyncio.sleep(0.2)  # rank 0 waits at the first meeting meanwhile
+            await world.shutdown()
+            return
+        if world.mypid != 0:
+            await world.shutdown()
+            return
+        transport = world._open()  # type: ignore[attr-defined]
+        world.send(bytes(4 * TRANSFER_SIZE), 1, tag=30)  # never received, never abandoned
+        await asyncio.sleep(0.01)
+        sent = transport.stats()["nudges_sent"]
+        await world.shutdown()
+        assert transport.stats()["nudges_sent"] == sent
+
+    async with fabric.open() as group:
+        await group.run(program)
+
+
 async def send_window(world: mate.World, window: int, ready_tag: int, tag: int) -> None:
     """Rank 0: once rank 1 says its receives are posted, send it `window` one-byte
     messages, numbered, and await them."""

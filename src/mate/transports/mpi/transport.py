@@ -341,5 +341,10 @@ class MpiTransport(Transport):
         return False
 
     def _cancel_everything(self) -> None:
+        # No more nudges (a send that cannot be abandoned stays a transfer): a peer may
+        # free its communicators while this rank still runs passes, and what reaches a
+        # freed communicator stays queued in MPI, which gives its context id to a later
+        # one: a later world's receive on tag 1 took such a nudge.
+        self.engine.nudge = None
         self.rma.cancel_all()
         self.engine.cancel_receives(standing=False)

@@ -28,7 +28,7 @@ def test_conformance_on_uvloop(progress: str) -> None:
     run_under_mpiexec("test_conformance.py", 2, {"progress": progress}, loop="uvloop")
 
 
-@pytest.mark.parametrize("progress", ["poll", "thread"])
+@pytest.mark.parametrize("progress", ["poll", "thread", "manual"])
 def test_mpi_specific_under_mpiexec(progress: str) -> None:
     # After the conformance suite in the same two processes: many worlds, one after
     # another, and a message that one leaves in MPI must not reach a later one's (a

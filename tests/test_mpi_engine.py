@@ -52,6 +52,19 @@ class Recorder:
         return self.engine.add(request, self.action, owner=("recv", tag), standing=standing,
                                receive=True)
 
+    def queued(self, request: Any, owner: Any, *, standing: bool = False,
+               receive: bool = True) -> Entry:
+        """`request` handed to the engine as `Engine.add` does in thread mode: through
+        the inbox, taken in by the next pass."""
+        entry = Entry(request, self.action, owner, standing=standing, receive=receive)
+        self.engine.call(self.engine._add_entry, entry)
+        return entry
+
+    def queued_receive(self, tag: int, *, standing: bool = False) -> Entry:
+        buffer = bytearray(1)
+        self.buffers.append(buffer)
+        return self.queued(self.comm.Irecv(buffer, 0, tag), ("recv", tag), standing=standing)
+
     def send(self, tag: int) -> None:
         self.comm.Send(b"x", 0, tag)  # a receive is posted for it: matched at once
 
@@ -192,11 +205,7 @@ def test_a_receive_cancelled_before_the_engine_took_it_in_is_cancelled_as_it_is(
     its inbox. A cancel may come first: an emulated get's refusal, found in the pass
     during which the get was posted. Lost, it would leave the receive waiting for data
     that never comes (the get timed out instead of failing, or hung without a timeout)."""
-    buffer = bytearray(1)
-    recorder.buffers.append(buffer)
-    entry = Entry(recorder.comm.Irecv(buffer, 0, 7), recorder.action, ("recv", 7),
-                  standing=False, receive=True)
-    recorder.engine.call(recorder.engine._add_entry, entry)  # as `Engine.add` in thread mode
+    entry = recorder.queued_receive(7)
     recorder.engine.cancel(entry)
     recorder.engine.cancel(entry)  # asked again (a timeout's, then shutdown's): once only
     for _ in range(3):
@@ -213,9 +222,7 @@ def test_a_send_disowned_before_the_engine_took_it_in_is_taken_in_as_an_orphan(
     send stayed live, it would count as outstanding (no back-off, a shutdown drain
     waiting for it) though nothing will ever match it."""
     engine = recorder.engine
-    entry = Entry(recorder.comm.Issend(b"x", 0, 8), recorder.action, ("send", 8),
-                  standing=False, receive=False)
-    engine.call(engine._add_entry, entry)  # as `Engine.add` in thread mode
+    entry = recorder.queued(recorder.comm.Issend(b"x", 0, 8), ("send", 8), receive=False)
     assert engine.disown(entry), "a send not yet taken in is not complete"
     engine.test()
     assert engine.user_outstanding == 0 and engine.orphans == 1
@@ -231,13 +238,7 @@ def test_cancelling_all_receives_reaches_those_still_in_the_inbox(recorder: Reco
     inbox, and left posted it would wait out the drain and stay with MPI at
     MPI_Finalize."""
     engine = recorder.engine
-    entries = []
-    for tag, standing in ((9, False), (10, True)):
-        buffer = bytearray(1)
-        recorder.buffers.append(buffer)
-        entries.append(Entry(recorder.comm.Irecv(buffer, 0, tag), recorder.action,
-                             ("recv", tag), standing=standing, receive=True))
-        engine.call(engine._add_entry, entries[-1])
+    entries = [recorder.queued_receive(9), recorder.queued_receive(10, standing=True)]
     engine.cancel_receives(standing=False)
     assert [entry.cancelled for entry in entries] == [True, False]
     engine.cancel_receives(standing=True)

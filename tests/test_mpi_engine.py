@@ -407,3 +407,86 @@ def test_a_native_transfers_nudge_renews_its_own_pokes(recorder: Recorder) -> No
     recorder.send(3)  # first: the recorder cannot close over a receive still posted
     settle(recorder.engine)
     assert poking
+
+
+# -- a pass that completes a large receive tests again at once --------------------------
+
+
+def taken_in_one_call_later(recorder: Recorder, *late: Entry) -> list[int]:
+    """Leave the requests of `late` out of the engine's first Testsome from now on, as
+    if MPI took their messages in only at the call after (it takes in one message
+    per call). Returns the number of requests each Testsome was given."""
+    real, calls = recorder.engine._testsome_call, []
+
+    def testsome(requests: list[Any], statuses: list[Any]) -> list[int]:
+        calls.append(len(requests))
+        if len(calls) == 1:
+            requests = [MPI.REQUEST_NULL if any(r is e.request for e in late) else r
+                        for r in requests]
+        return real(requests, statuses)  # type: ignore[no-any-return]
+
+    recorder.engine._testsome_call = testsome
+    return calls
+
+
+def test_a_pass_that_completes_a_large_receive_finds_what_came_beside_it(
+        recorder: Recorder) -> None:
+    """The data of a large receive has just gone through the caches: what came with
+    it (a pingping's acknowledgement) is found by a second Testsome in the same
+    pass, not by the next pass, which would run cold."""
+    large_receive(recorder, 1)
+    beside = recorder.receive(2)
+    recorder.engine.test()  # the front is made
+    recorder.comm.Send(bytes(progress.TRANSFER_SIZE), 0, 1)
+    recorder.send(2)
+    calls = taken_in_one_call_later(recorder, beside)
+    recorder.engine.test()
+    assert len(calls) == 2
+    assert recorder.seen[("recv", 1)][1] == recorder.seen[("recv", 2)][1] == recorder.engine.passes
+
+
+@pytest.mark.parametrize("first", ["small receive", "large send"])
+def test_other_completions_leave_what_came_beside_them_to_the_next_pass(
+        recorder: Recorder, first: str) -> None:
+    """After a small receive or a send, a second Testsome mostly finds nothing (the
+    reply of a pingpong is a round trip away): the pass makes only one."""
+    if first == "small receive":
+        recorder.receive(1)
+        recorder.send(1)
+    else:
+        buffer = bytearray(progress.TRANSFER_SIZE)
+        recorder.buffers.append(buffer)
+        receive = recorder.comm.Irecv(buffer, 0, 1)
+        request = recorder.comm.Isend(bytes(progress.TRANSFER_SIZE), 0, 1)
+        receive.Wait()
+        recorder.engine.add(request, recorder.action, owner=("send", 1), peer=0,
+                            nbytes=progress.TRANSFER_SIZE)
+    beside = recorder.receive(2)
+    recorder.send(2)
+    calls = taken_in_one_call_later(recorder, beside)
+    recorder.engine.test()
+    assert len(calls) == 1 and ("recv", 2) not in recorder.seen
+    recorder.engine.test()
+    assert ("recv", 2) in recorder.seen
+
+
+def test_a_receive_that_failed_in_the_second_testsome_is_reported_with_its_error(
+        recorder: Recorder) -> None:
+    """The second Testsome of a pass may raise (a truncated receive): the completions
+    of the first keep their statuses, and the failed one is reported, once."""
+    large_receive(recorder, 1)
+    errors: list[int] = []
+    short = recorder.engine.add(
+        recorder.comm.Irecv(bytearray(1), 0, 7),
+        lambda owner, status, error: errors.append(MPI.Get_error_class(
+            status.Get_error()) if error is not None else MPI.SUCCESS),
+        owner="short", receive=True)
+    recorder.engine.test()
+    recorder.comm.Send(bytes(progress.TRANSFER_SIZE), 0, 1)
+    recorder.comm.Send(b"too long", 0, 7)
+    calls = taken_in_one_call_later(recorder, short)
+    recorder.engine.test()
+    assert len(calls) == 2 and errors == [MPI.ERR_TRUNCATE]
+    assert recorder.seen[("recv", 1)][0] == 1
+    settle(recorder.engine)
+    assert errors == [MPI.ERR_TRUNCATE] and recorder.engine.user_outstanding == 0

@@ -266,9 +266,9 @@ class Backoff:
         self._moved = True
         self._pause = 0.0
 
-    def hold(self, seconds: float) -> None:
-        """Do not back off for the next `seconds` (a large message is crossing)."""
-        self._held_until = max(self._held_until, time.monotonic() + seconds)
+    def hold(self, seconds: float, now: float) -> None:
+        """Do not back off for `seconds` from `now` (a large message is crossing)."""
+        self._held_until = max(self._held_until, now + seconds)
         self._pause = 0.0
 
     def idle(self) -> float:
@@ -418,8 +418,8 @@ class Engine:
         """Hold the backoff for a transfer of `nbytes`, and if it is a native put or get,
         poke for as long; the time now."""
         hold = transfer_hold(nbytes)
-        self.backoff.hold(hold)
         now = time.monotonic()
+        self.backoff.hold(hold, now)
         if one_sided:
             self._poke_until = max(self._poke_until, now + hold)
         return now
@@ -648,7 +648,7 @@ class Engine:
         """
         found: _Finished = []
         received = self._find(requests, self._statuses, group, first, size, also, found)
-        if received and len(found) < size:
+        if received and any(r != _REQUEST_NULL for r in requests[:size]):  # holes: null
             self._find(requests, self._statuses_again, group, first, size, also, found)
         # Every entry is found before any is removed: a removal may compact `group`.
         for owner, entry, _, _ in found:

@@ -495,7 +495,7 @@ def test_a_receive_that_failed_in_the_second_testsome_is_reported_with_its_error
 def test_holes_beside_a_large_receive_call_for_no_second_testsome(recorder: Recorder) -> None:
     """Requests that went leave holes in the front until it is compacted; with only
     holes beside a large receive, a second Testsome could find nothing (a 64 KiB
-    pingpong lost 2-3.5 us a half round trip to it)."""
+    pingpong lost 2.8-4.1 us a half round trip to it)."""
     large_receive(recorder, 1)
     recorder.receive(2)
     recorder.receive(3)

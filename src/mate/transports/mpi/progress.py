@@ -73,6 +73,10 @@ operation a fragment per call, so the calls' density sets its speed. Not for
 two-sided transfers: there they cost an emulated put of 64 KiB a third of its
 speed, and MPICH moves a message with CMA in one call.
 
+A pass whose Testsome completes a large receive runs Testsome once more
+before any action (`Engine._testsome`): the copy just passed the message
+through the caches, and what came beside it is found without another pass.
+
 Sends that timed out but that MPI still holds (*orphans*, see transport.py)
 are kept apart from the live requests and tested only every
 `ORPHAN_INTERVAL`: a `Testsome` over 20,000 forgotten requests costs ~1.5 ms,
@@ -644,11 +648,12 @@ class Engine:
         came beside the data (the acknowledgement of the pingping's own send) is
         found now, by a call of a few microseconds. Not after a send: in a
         pingpong nothing comes beside its acknowledgement, and the call, wasted,
-        cost the 64 KiB pingpong about 6 %.
+        cost the 64 KiB pingpong about 6 %; nor when only holes are left beside
+        the receive (requests gone, not compacted yet), which cost it as much.
         """
         found: _Finished = []
         received = self._find(requests, self._statuses, group, first, size, also, found)
-        if received and any(r != _REQUEST_NULL for r in requests[:size]):  # holes: null
+        if received and any(r != _REQUEST_NULL for r in requests[:size]):  # holes are null
             self._find(requests, self._statuses_again, group, first, size, also, found)
         # Every entry is found before any is removed: a removal may compact `group`.
         for owner, entry, _, _ in found:

@@ -348,16 +348,24 @@ def test_a_held_rank_with_nothing_of_its_own_pokes_once_per_callback(
     assert pokes == [False, True] and not recorder.seen
 
 
+def short_receive(recorder: Recorder, tag: int) -> tuple[Entry, list[int]]:
+    """A 1-byte receive, and the MPI error classes its action is given (SUCCESS if
+    none): a longer message fails it with ERR_TRUNCATE."""
+    classes: list[int] = []
+    buffer = bytearray(1)
+    recorder.buffers.append(buffer)
+    entry = recorder.engine.add(
+        recorder.comm.Irecv(buffer, 0, tag),
+        lambda owner, status, error: classes.append(MPI.Get_error_class(
+            status.Get_error()) if error is not None else MPI.SUCCESS),
+        owner="short", receive=True)
+    return entry, classes
+
+
 def test_a_poke_leaves_a_receive_that_failed_to_the_next_pass(recorder: Recorder) -> None:
     """A look of the pokes at a request that completed in error raises (MPI reports a
     truncation there): the pokes stop, and the next pass's Testsome reports it."""
-    errors: list[int] = []
-    buffer = bytearray(1)
-    request = recorder.comm.Irecv(buffer, 0, 7)
-    recorder.engine.add(
-        request, lambda owner, status, error: errors.append(MPI.Get_error_class(
-            status.Get_error()) if error is not None else MPI.SUCCESS),
-        owner="short", receive=True)
+    _, errors = short_receive(recorder, 7)
     assert not recorder.engine.test()  # the front is made; nothing has come
     recorder.comm.Send(b"too long", 0, 7)
     recorder.engine._poke()
@@ -475,12 +483,7 @@ def test_a_receive_that_failed_in_the_second_testsome_is_reported_with_its_error
     """The second Testsome of a pass may raise (a truncated receive): the completions
     of the first keep their statuses, and the failed one is reported, once."""
     large_receive(recorder, 1)
-    errors: list[int] = []
-    short = recorder.engine.add(
-        recorder.comm.Irecv(bytearray(1), 0, 7),
-        lambda owner, status, error: errors.append(MPI.Get_error_class(
-            status.Get_error()) if error is not None else MPI.SUCCESS),
-        owner="short", receive=True)
+    short, errors = short_receive(recorder, 7)
     recorder.engine.test()
     recorder.comm.Send(bytes(progress.TRANSFER_SIZE), 0, 1)
     recorder.comm.Send(b"too long", 0, 7)

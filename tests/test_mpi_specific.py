@@ -719,3 +719,81 @@ async def test_a_receive_is_cancelled_once_however_often_asked(fabric: Fabric) -
 
     async with fabric.open() as group:
         await group.run(program)
+
+
+async def test_a_large_receive_posted_before_a_send_reaches_mpi_after_it_in_thread_mode(
+        fabric: Fabric) -> None:
+    """In thread mode a large receive is issued after the send posted right after it
+    (`MpiTransport._post_recv`): its message may have arrived already, and MPI then
+    copies it inside MPI_Irecv, which would hold the send, and the peer's copy, back.
+    Every receive posted meanwhile waits behind it: the small receive posted second
+    still takes the second message (the first would not fit: TRUNCATED). Poll and
+    manual mode issue receives as they are posted."""
+    from mpi4py import MPI
+
+    big, small = 256 * 1024, 8
+    issued: list[tuple[str, int]] = []
+
+    class Spy(MPI.Intracomm):
+        def Irecv(self, buf: object, source: int, tag: int) -> MPI.Request:
+            if tag == 31:
+                issued.append(("Irecv", len(buf)))  # type: ignore[arg-type]
+            return super().Irecv(buf, source, tag)
+
+        def Issend(self, buf: object, dest: int, tag: int) -> MPI.Request:
+            if tag == 31:
+                issued.append(("Issend", len(buf)))  # type: ignore[arg-type]
+            return super().Issend(buf, dest, tag)
+
+    async def program(world: mate.World) -> None:
+        await barrier(world)
+        if world.mypid <= 1:
+            transport, peer = world.transport, 1 - world.mypid  # type: ignore[attr-defined]
+            comm = transport.comm
+            transport.comm = Spy(comm)
+            try:
+                big_in, small_in = bytearray(big), bytearray(small)
+                first = world.recv(big_in, peer, tag=31)
+                second = world.recv(small_in, peer, tag=31)
+                sends = [world.send(bytearray([world.mypid + 1]) * big, peer, tag=31),
+                         world.send(bytearray([world.mypid + 3]) * small, peer, tag=31)]
+                assert (await first).length == big and (await second).length == small
+                for send in sends:
+                    await send
+            finally:
+                transport.comm = comm
+            assert big_in == bytearray([peer + 1]) * big
+            assert small_in == bytearray([peer + 3]) * small
+            if LAUNCH_OPTIONS.get("progress") == "thread":
+                assert issued == [("Issend", big), ("Irecv", big), ("Irecv", small),
+                                  ("Issend", small)], issued
+            else:
+                assert issued == [("Irecv", big), ("Irecv", small), ("Issend", big),
+                                  ("Issend", small)], issued
+        await barrier(world)
+
+    async with fabric.open() as group:
+        await group.run(program)
+
+
+async def test_a_large_receive_with_no_send_after_it_is_issued_by_a_pass(
+        fabric: Fabric) -> None:
+    """A large receive that no send follows (thread mode holds it for one) is issued by
+    the next pass: one answered late completes, and one never answered times out."""
+    size = 256 * 1024
+
+    async def program(world: mate.World) -> None:
+        await barrier(world)
+        if world.mypid == 0:
+            answered, unanswered = bytearray(size), bytearray(size)
+            receipt = await world.recv(answered, 1, tag=32)
+            assert receipt.length == size and answered == bytearray([5]) * size
+            with pytest.raises(mate.MessageTimeout):
+                await world.recv(unanswered, 1, tag=33, timeout=0.2)
+        elif world.mypid == 1:
+            await asyncio.sleep(0.05)
+            await world.send(bytearray([5]) * size, 0, tag=32)
+        await barrier(world)
+
+    async with fabric.open() as group:
+        await group.run(program)

@@ -206,17 +206,18 @@ class MpiTransport(Transport):
         """Issue the receive; in thread mode, a large one after the next send.
 
         A receive whose message has already been taken in by MPI (an RTS in the
-        unexpected queue) is copied inside MPI_Irecv: 4 MiB took ~1 ms there. In thread
-        mode that is the common case, since the progress thread runs passes while the
-        loop runs the user's code, and a send posted right after the receive, as in an
-        exchange, then reaches MPI only after the copy, while the peer waits for it to
-        copy its own: the two copies ran one after the other, and a 4 MiB pingping
-        reached 0.42-0.69x raw (0.62-0.88x with this). So there a receive of
+        unexpected queue) is copied inside MPI_Irecv: 4 MiB took ~1 ms there
+        (bench/late_receive.py). In thread mode that is often the case, since the
+        progress thread runs passes while the loop runs the user's code, and a send
+        posted right after the receive, as in an exchange, then reaches MPI only after
+        the copy, while the peer waits for it to copy its own: the two copies ran one
+        after the other (a 4 MiB pingping: 0.79x raw, 0.86x with this;
+        bench/results/deferred-receive-2026-11-28.txt). So there a receive of
         `TRANSFER_SIZE` bytes or more is issued after the next send's `Issend`, or by
         the next pass if no send comes first, and every receive posted while one waits
         queues behind it: receives reach MPI in posting order. Not in poll and manual
         mode, where passes do not run between the user's calls, and where holding
-        receives back cost pingpings of 64 KiB-1 MiB a few per cent.
+        receives back made a 64 KiB pingping take 68 us instead of 57.
         """
         if self._deferred or (self._defer_large and len(msg.buffer) >= TRANSFER_SIZE):
             self._defer(msg)

@@ -28,8 +28,9 @@ each a small strategy of its own sharing one `Backoff`:
   passes, as poll mode does, until `SPIN` passes without progress, and the
   thread stands back meanwhile: a completion found on the loop's thread needs
   no hop onto it (most of thread mode's latency), while the thread still moves
-  messages whenever the loop computes or has given up. Actions run in
-  whichever thread ran the pass.
+  messages whenever the loop computes or has given up. The awaiting task
+  runs passes itself first (`await_spin`, under the pass lock), as in poll
+  mode. Actions run in whichever thread ran the pass.
 * `ManualProgress` (``manual``): passes run only from `world.progress()` and
   while a task awaits a message (`drive_until`), and, so that timeouts (the
   core's clock, not progress) take effect at once, while a cancel is carried
@@ -853,8 +854,10 @@ def loop_slice(engine: Engine, test: Callable[[bool], bool]) -> None:
         moved = test(False)
 
 
-def await_spin(engine: Engine, done: Callable[[], bool], give_up: float) -> None:
-    """Passes run by a task that awaits, until `done()`, the loop has work, or `give_up`.
+def await_spin(engine: Engine, test: Callable[[bool], bool], done: Callable[[], bool],
+               give_up: float) -> None:
+    """Passes (`test`) run by a task that awaits, until `done()`, the loop has work, or
+    `give_up`.
 
     A message that completes while its task spins here is awaited with no turn
     of the loop and no wake-up of the task. Bounded as `loop_slice` is: only
@@ -867,7 +870,7 @@ def await_spin(engine: Engine, done: Callable[[], bool], give_up: float) -> None
     loop_work = engine.loop_work
     mark = loop_work()
     while not done() and time.monotonic() < give_up:
-        if engine.test(True) and loop_work() != mark:
+        if test(True) and loop_work() != mark:
             return
 
 
@@ -899,7 +902,7 @@ class PollProgress(Progress):
 
     def drive_until(self, done: Callable[[], bool]) -> None:
         if self._soon is not None and self.engine.backoff.spinning():
-            await_spin(self.engine, done, self._soon_at + SLICE)
+            await_spin(self.engine, self.engine.test, done, self._soon_at + SLICE)
         self.schedule(0.0)
 
     def schedule(self, delay: float) -> None:
@@ -1029,6 +1032,10 @@ class ThreadProgress(Progress):
 
     def drive_until(self, done: Callable[[], bool]) -> None:
         if self.engine.loop_helps:
+            # As in poll mode, the awaiting task runs passes first, within SLICE of the
+            # loop's last help (the thread stands back for STAND_BACK, longer than that).
+            if self._help is not None and self.engine.backoff.spinning():
+                await_spin(self.engine, self._loop_test, done, self._helped + SLICE)
             self._start_helping()
 
     def _start_helping(self) -> None:

@@ -16,6 +16,10 @@ import mate
 pytestmark = pytest.mark.skipif(LAUNCHED != "mpi", reason="runs under mpiexec (test_mpi.py)")
 
 EAGER = 1024
+# The tests of an awaiting task's own passes (`await_spin`): poll and thread mode.
+awaiting_task_passes = pytest.mark.skipif(
+    LAUNCH_OPTIONS.get("progress") not in ("poll", "thread"),
+    reason="an awaiting task's passes (poll and thread mode)")
 
 
 @contextlib.asynccontextmanager
@@ -602,8 +606,7 @@ async def test_a_window_of_arrived_messages_is_taken_in_by_few_passes(fabric: Fa
         await group.run(program)
 
 
-@pytest.mark.skipif(LAUNCH_OPTIONS.get("progress") not in ("poll", "thread"),
-                    reason="an awaiting task's passes (poll and thread mode)")
+@awaiting_task_passes
 async def test_a_ping_pong_awaited_while_passes_spin_needs_few_turns_of_the_loop(
         fabric: Fabric) -> None:
     """A task that awaits a message runs passes itself for a while (`await_spin`): a
@@ -631,8 +634,7 @@ async def test_a_ping_pong_awaited_while_passes_spin_needs_few_turns_of_the_loop
         await group.run(program)
 
 
-@pytest.mark.skipif(LAUNCH_OPTIONS.get("progress") not in ("poll", "thread"),
-                    reason="an awaiting task's passes (poll and thread mode)")
+@awaiting_task_passes
 async def test_a_ping_ping_awaited_while_passes_spin_needs_few_turns_of_the_loop(
         fabric: Fabric) -> None:
     """Each rank posts its receive, then awaits its send and then the receive: the
@@ -663,8 +665,7 @@ async def test_a_ping_ping_awaited_while_passes_spin_needs_few_turns_of_the_loop
         await group.run(program)
 
 
-@pytest.mark.skipif(LAUNCH_OPTIONS.get("progress") not in ("poll", "thread"),
-                    reason="an awaiting task's passes (poll and thread mode)")
+@awaiting_task_passes
 async def test_a_ping_pong_awaited_while_passes_spin_leaves_the_loop_to_its_timers(
         fabric: Fabric) -> None:
     """The passes of an awaiting task hold the loop for at most SLICE since it last

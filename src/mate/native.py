@@ -8,11 +8,13 @@ progress engine and reporter -- is compiled to C with mypyc when mate is
 installed (setup.py; ``MATE_COMPILE=0`` installs pure Python, as does a build
 with no C compiler). The code is the
 same: each compiled module is its own source, type-checked by mypy --strict,
-and runs as Python wherever it is not compiled. Two modules are written in C:
+and runs as Python wherever it is not compiled. Three modules are written in C:
 `mate._buffer`, for what Python has no cheap call for (a buffer's address,
-copies by address: `mate.buffers`), and `mate._receipt`, which builds a
-receipt by storing its fields into its slots; where they are not built or
-not wanted, ctypes and attrs' constructor serve instead. `mate.world`, the API in front
+copies by address: `mate.buffers`), `mate._receipt`, which builds a
+receipt by storing its fields into its slots, and `mate._stand_back`, the MPI
+progress thread's wait while the loop runs the passes, which reads the loop's
+clock without the GIL; where they are not built or not wanted, ctypes, attrs'
+constructor and a Python loop over select() serve instead. `mate.world`, the API in front
 of the ledger, stays Python: compiled, its public calls would refuse arguments
 of the wrong type with a TypeError at the call boundary, before
 `mate.arguments` can answer InvalidArgument, and its reads of a `Transport`'s
@@ -70,7 +72,7 @@ COMPILED = (
 )
 #: Modules written in C (setup.py builds them beside the others); each is imported
 #: with a Python fallback.
-EXTENSIONS = ("mate._buffer", "mate._receipt")
+EXTENSIONS = ("mate._buffer", "mate._receipt", "mate._stand_back")
 RECORD = "_native.json"  # beside this file: {module: sha256 of the source compiled}
 PURE_VARIABLE = "MATE_PURE_PYTHON"
 

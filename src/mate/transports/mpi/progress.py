@@ -28,7 +28,8 @@ each a small strategy of its own sharing one `Backoff`:
   passes, as poll mode does, until `SPIN` passes without progress, and the
   thread stands back meanwhile: a completion found on the loop's thread needs
   no hop onto it (most of thread mode's latency), while the thread still moves
-  messages whenever the loop computes or has given up. The awaiting task
+  messages whenever the loop computes or has given up. Standing back, it
+  watches the loop's clock without the GIL (`mate._stand_back`). The awaiting task
   runs passes itself first (`await_spin`, under the pass lock), as in poll
   mode. Actions run in whichever thread ran the pass.
 * `ManualProgress` (``manual``): passes run only from `world.progress()` and
@@ -93,11 +94,14 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 import math
 import os
+import select
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -820,6 +824,28 @@ class Progress(abc.ABC):
     def stop(self) -> None: ...
 
 
+def _stand_back_in_python(clock: array[float], period: float, fd: int, /) -> bool:
+    """`mate._stand_back.stand_back` in Python, where that is not built: the same
+    wait, but each look at `clock` needs the GIL."""
+    while True:
+        left = clock[0] + period - time.monotonic()
+        if not left > 0:
+            return False
+        if select.select([fd], [], [], min(left, period))[0]:
+            return True
+
+
+def _stand_back_function() -> Callable[[array[float], float, int], bool]:
+    try:
+        from mate._stand_back import stand_back
+    except ImportError:  # not built, or refused by mate.native (pure Python, or stale)
+        return _stand_back_in_python
+    return stand_back
+
+
+stand_back: Final = _stand_back_function()
+
+
 def loop_slice(engine: Engine, test: Callable[[bool], bool]) -> None:
     """The passes of one callback on the event loop: one, or while user messages are
     outstanding (and passes not backing off), more for up to SLICE.
@@ -990,11 +1016,21 @@ class ThreadProgress(Progress):
 
     The pass lock keeps the two threads' passes apart (MPI forbids two threads to
     test one request at once); the loop waits for the thread's pass to end. While
-    the loop helps (`_helped`, the time of its last pass, is recent), the thread
-    waits on its condition instead of polling: two threads polling in Python fight
-    over the GIL, which costs both. The loop stops helping when nothing moved for
-    `SPIN` (and wakes the thread) or no user message is left; if a long callback
-    keeps the loop away instead, the thread takes over once `STAND_BACK` has passed.
+    the loop helps (it ran passes lately), the thread sleeps instead of polling:
+    two threads polling in Python fight over the GIL, which costs both. The loop
+    stops helping when nothing moved for `SPIN` (and wakes the thread) or no user
+    message is left; if a long callback keeps the loop away instead, the thread
+    takes over once `STAND_BACK` has passed.
+
+    The thread stands back without the GIL (`stand_back`): the loop marks in
+    `_clock` when it last ran passes (+inf while it runs them), and the thread
+    sleeps in C until `STAND_BACK` after that time, reading the clock again
+    each time it wakes, or until `_wake_thread` writes its pipe. It looked in
+    Python before, once per `STAND_BACK`, and each look took the GIL from the
+    loop, which keeps it while it polls (mpi4py holds it even across an
+    MPI_Testsome that copies a 4 MiB message): a thread-mode 4 MiB pingping took
+    1.4-1.8x as long as poll mode's, and about as long with looks every 100 ms
+    (bench/results/stand-back-2026-11-28.txt).
     """
 
     threaded = True
@@ -1004,8 +1040,16 @@ class ThreadProgress(Progress):
         self._stopping = False
         self._pass_lock = threading.Lock()
         self._help: asyncio.Handle | None = None  # the loop's next pass, if it helps
-        self._helped = -math.inf  # when the loop last ran a pass (monotonic), while it helps
-        self._standing_back = False  # the thread waits at most STAND_BACK, then looks again
+        self._helped = -math.inf  # when the loop last began to help (monotonic), while it helps
+        # When the loop last ran passes or began to help (monotonic; +inf while it runs
+        # them, -inf once it gave up), for the thread's `stand_back`, which reads it
+        # without the GIL: a double in an array, not an attribute. Marked around a help
+        # pass's slice and an awaiting task's spin, not around every pass.
+        self._clock = array("d", [-math.inf])
+        self._standing_back = False  # the thread sleeps in `stand_back`: wake it by the pipe
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._loop_thread = threading.get_ident()  # made on the loop's thread
         self._worker = threading.Thread(target=self._run, name="mate-mpi-progress",
                                         daemon=True)
@@ -1027,6 +1071,11 @@ class ThreadProgress(Progress):
     def _wake_thread(self) -> None:
         with self.engine.wake:
             self.engine.wake.notify()
+        # Read after the caller's change (work queued, the loop gone, stopping): a thread
+        # that has not set the flag yet sees the change before it sleeps (`_stand_back`).
+        if self._standing_back:
+            with contextlib.suppress(BlockingIOError):  # full: it is readable anyway
+                os.write(self._wake_w, b"\0")
 
     # -- the loop's passes (on the loop's thread) ----------------------------------------
 
@@ -1035,12 +1084,16 @@ class ThreadProgress(Progress):
             # As in poll mode, the awaiting task runs passes first, within SLICE of the
             # loop's last help (the thread stands back for STAND_BACK, longer than that).
             if self._help is not None and self.engine.backoff.spinning():
-                await_spin(self.engine, self._loop_test, done, self._helped + SLICE)
+                self._clock[0] = math.inf
+                try:
+                    await_spin(self.engine, self._loop_test, done, self._helped + SLICE)
+                finally:
+                    self._clock[0] = time.monotonic()
             self._start_helping()
 
     def _start_helping(self) -> None:
         if self._help is None and not self._stopping:
-            self._helped = time.monotonic()
+            self._helped = self._clock[0] = time.monotonic()
             self._help = self.loop.call_soon(self._help_pass)
 
     def _help_pass(self) -> None:
@@ -1049,11 +1102,15 @@ class ThreadProgress(Progress):
             return
         engine = self.engine
         self._helped = time.monotonic()
-        loop_slice(engine, self._loop_test)
+        self._clock[0] = math.inf
+        try:
+            loop_slice(engine, self._loop_test)
+        finally:
+            self._clock[0] = time.monotonic()
         if engine.user_outstanding and engine.backoff.spinning():
             self._help = self.loop.call_soon(self._help_pass)
         else:
-            self._helped = -math.inf
+            self._helped = self._clock[0] = -math.inf
             if engine.user_outstanding:
                 self._wake_thread()  # the loop gave up: the thread carries on, backing off
 
@@ -1068,23 +1125,33 @@ class ThreadProgress(Progress):
     # -- the thread's passes -------------------------------------------------------------
 
     def _loop_helping(self) -> bool:
-        return time.monotonic() - self._helped < STAND_BACK
+        return self._clock[0] + STAND_BACK > time.monotonic()
+
+    def _stand_back(self) -> None:
+        """Sleep while the loop runs the passes, or until woken (`_wake_thread`)."""
+        self._standing_back = True
+        try:
+            # `_stopping` read after the flag is set: see `_wake_thread`.
+            if not self._stopping and stand_back(self._clock, STAND_BACK, self._wake_r):
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)  # woken: empty the pipe
+        finally:
+            self._standing_back = False
 
     def _run(self) -> None:
         engine = self.engine
-        while True:
+        while not self._stopping:
+            if self._loop_helping():
+                self._stand_back()
+                continue
             with engine.wake:
-                while not self._stopping:
-                    if self._loop_helping():
-                        self._standing_back = True
-                        engine.wake.wait(STAND_BACK)
-                        self._standing_back = False
-                    elif engine.busy() or engine.idle_interval() is not None:
-                        break
-                    else:
-                        engine.wake.wait()
+                while not (self._stopping or self._loop_helping()
+                           or engine.busy() or engine.idle_interval() is not None):
+                    engine.wake.wait()
                 if self._stopping:
                     return
+            if self._loop_helping():
+                continue  # stand back (a post on the loop woke the thread)
             try:
                 # No pokes here: they would keep the pass lock from an awaiting loop's
                 # passes (64 KiB native puts took 1.5x as long); the loop's passes poke.
@@ -1105,8 +1172,10 @@ class ThreadProgress(Progress):
     def stop(self) -> None:
         with self.engine.wake:
             self._stopping = True
-            self.engine.wake.notify()
+        self._wake_thread()
         if self._help is not None:
             self._help.cancel()
             self._help = None
         self._worker.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)

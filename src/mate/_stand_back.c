@@ -3,7 +3,7 @@
    In the MPI transport's thread mode the loop's thread runs the passes while a
    task awaits, and the progress thread stands back: it must take over if the
    loop stops (a callback that computes), so it looks now and then at when the
-   loop last ran a pass. A look written in Python needs the GIL, which the loop
+   loop last ran passes. A look written in Python needs the GIL, which the loop
    holds while it polls -- mpi4py keeps it even across an MPI_Testsome that
    copies 4 MiB for a millisecond -- so each look forced a GIL switch on the
    loop's thread, and looks every 1 ms made a thread-mode 4 MiB pingping take
@@ -16,7 +16,9 @@
    without a newer one (False), or when the descriptor is readable (True). The
    loop's thread writes the clock with plain stores of aligned doubles: a look
    reads the old time or the new one, and either is safe (an old one costs one
-   more look). +inf in the clock means "a pass is running now".
+   more look). +inf in the clock means "the loop is running passes now", and a
+   look then comes a period later; the poll() timeout is rounded up to whole
+   milliseconds, so a look may come up to 1 ms late.
 
    progress.py falls back to a Python loop over select() when this module is
    not built or not wanted (MATE_PURE_PYTHON). */
@@ -71,10 +73,10 @@ stand_back(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     for (;;) {
         double left = *helped + period - monotonic();
         if (!(left > 0.0)) {
-            break;  /* the loop last ran a pass `period` ago or more (NaN too) */
+            break;  /* the loop last ran passes `period` ago or more (-inf, NaN too) */
         }
         if (left > period) {
-            left = period;  /* +inf: a pass is running; look again a period later */
+            left = period;  /* +inf: passes are running; look again a period later */
         }
         struct pollfd wake = {.fd = fd, .events = POLLIN, .revents = 0};
         int ready = poll(&wake, 1, (int)(left * 1e3) + 1);  /* whole ms, rounded up */

@@ -1071,8 +1071,9 @@ class ThreadProgress(Progress):
     def _wake_thread(self) -> None:
         with self.engine.wake:
             self.engine.wake.notify()
-        # Read after the caller's change (work queued, the loop gone, stopping): a thread
-        # that has not set the flag yet sees the change before it sleeps (`_stand_back`).
+        # Read after the caller's change: a thread that has not set the flag yet reads
+        # `_stopping` after it (`_stand_back`), and a loop that gave up has set its clock
+        # to -inf, which the wait reads first.
         if self._standing_back:
             with contextlib.suppress(BlockingIOError):  # full: it is readable anyway
                 os.write(self._wake_w, b"\0")

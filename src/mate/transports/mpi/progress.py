@@ -1085,8 +1085,11 @@ class ThreadProgress(Progress):
             # As in poll mode, the awaiting task runs passes first, within SLICE of the
             # loop's last help (the thread stands back for STAND_BACK, longer than that).
             if self._help is not None and self.engine.backoff.spinning():
-                self._marked(await_spin, self.engine, self._loop_test, done,
-                             self._helped + SLICE)
+                self._clock[0] = math.inf
+                try:
+                    await_spin(self.engine, self._loop_test, done, self._helped + SLICE)
+                finally:
+                    self._clock[0] = time.monotonic()
             self._start_helping()
 
     def _start_helping(self) -> None:
@@ -1100,22 +1103,17 @@ class ThreadProgress(Progress):
             return
         engine = self.engine
         self._helped = time.monotonic()
-        self._marked(loop_slice, engine, self._loop_test)
+        self._clock[0] = math.inf
+        try:
+            loop_slice(engine, self._loop_test)
+        finally:
+            self._clock[0] = time.monotonic()
         if engine.user_outstanding and engine.backoff.spinning():
             self._help = self.loop.call_soon(self._help_pass)
         else:
             self._helped = self._clock[0] = -math.inf
             if engine.user_outstanding:
                 self._wake_thread()  # the loop gave up: the thread carries on, backing off
-
-    def _marked(self, passes: Callable[..., None], *args: Any) -> None:
-        """Run the loop's `passes` with its clock at +inf, so that the thread stands back
-        meanwhile, and mark their end."""
-        self._clock[0] = math.inf
-        try:
-            passes(*args)
-        finally:
-            self._clock[0] = time.monotonic()
 
     def _loop_test(self, poke: bool) -> bool:
         # If the thread is in a pass, wait for its end: a pass is short and never blocks,

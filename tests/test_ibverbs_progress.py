@@ -4,6 +4,7 @@ the passes an awaiting task runs itself in poll mode."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +12,13 @@ from typing import Any
 import pytest
 
 import mate.transports.ibverbs.progress as progress_module
-from mate.transports.ibverbs.progress import SLICE, LoopProgress, PollProgress, Progress
+from mate.transports.ibverbs.progress import (
+    SLICE,
+    LoopProgress,
+    PollProgress,
+    Progress,
+    ThreadProgress,
+)
 
 
 class _RecordingLoop(asyncio.AbstractEventLoop):
@@ -137,3 +144,25 @@ def test_an_awaiting_task_does_not_spin_while_polling_backs_off() -> None:
     calls = passes.calls
     progress.awaiting(passes.done)
     assert passes.calls == calls
+
+
+def test_a_kick_after_stop_writes_to_no_descriptor() -> None:
+    """Thread mode wakes its thread through an eventfd, which `stop` closes. A kick
+    that comes later (a call from another thread racing the shutdown) must not
+    write to that descriptor's number, which the process may have given to a file
+    of its own meanwhile: in one CI run a pipe opened later read a stray write."""
+    channel_r, channel_w = os.pipe()  # stands for the completion channel
+    progress = ThreadProgress(asyncio.new_event_loop(), channel_r, lambda: False,
+                              lambda: None)
+    progress.start()
+    wake = progress._wake
+    progress.stop()
+    reused = os.eventfd(0, os.EFD_NONBLOCK)  # the lowest free number: the wake's
+    try:
+        assert reused == wake
+        progress.kick()
+        with pytest.raises(BlockingIOError):  # nothing written
+            os.eventfd_read(reused)
+    finally:
+        for fd in (reused, channel_r, channel_w):
+            os.close(fd)

@@ -186,6 +186,9 @@ class ThreadProgress(Progress):
                  deliver: Callable[[], None]) -> None:
         super().__init__(loop, fd, run_pass, deliver)
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # Held to write the eventfd and to close it: a kick racing `stop` (from another
+        # thread) must not write to its number once closed, which may be reused by then.
+        self._wake_lock = threading.Lock()
         self._stopping = False
         self._worker = threading.Thread(target=self._run, name="mate-ibverbs-progress",
                                         daemon=True)
@@ -194,17 +197,20 @@ class ThreadProgress(Progress):
         self._worker.start()
 
     def kick(self) -> None:
-        os.eventfd_write(self._wake, 1)
+        with self._wake_lock:
+            if self._wake >= 0:  # -1 once stopped
+                os.eventfd_write(self._wake, 1)
 
     def _run(self) -> None:
+        wake = self._wake  # open while this thread runs (`stop` joins it, or runs on it)
         poller = select.poll()
         poller.register(self.fd, select.POLLIN)
-        poller.register(self._wake, select.POLLIN)
+        poller.register(wake, select.POLLIN)
         while not self._stopping:
             ready = poller.poll()
-            if any(fd == self._wake for fd, _ in ready):
+            if any(fd == wake for fd, _ in ready):
                 with contextlib.suppress(BlockingIOError):
-                    os.eventfd_read(self._wake)
+                    os.eventfd_read(wake)
             if not self._stopping:
                 self._guarded()
 
@@ -213,4 +219,7 @@ class ThreadProgress(Progress):
         self.kick()
         if self._worker.is_alive() and self._worker is not threading.current_thread():
             self._worker.join()
-        os.close(self._wake)
+        with self._wake_lock:
+            if self._wake >= 0:
+                os.close(self._wake)
+                self._wake = -1

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import select
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -510,3 +512,26 @@ def test_holes_beside_a_large_receive_call_for_no_second_testsome(recorder: Reco
     calls = taken_in_one_call_later(recorder)
     recorder.engine.test()
     assert len(calls) == 1 and ("recv", 1) in recorder.seen
+
+
+def test_a_wake_that_races_stop_writes_to_no_descriptor() -> None:
+    """Thread mode wakes a thread that stands back through a pipe, which `stop` closes
+    once the thread has ended. A wake from another thread that read the thread as
+    standing back just before it left must not write to the pipe's number after the
+    close: the process may have reused it. (The flag is set by hand here, as such a
+    wake would have read it.)"""
+    engine = Engine(asyncio.new_event_loop(), "thread", lambda exc, owner: None,
+                    lambda: None)
+    thread_progress = engine._progress
+    assert isinstance(thread_progress, progress.ThreadProgress)
+    wake_w = thread_progress._wake_w
+    engine.stop()
+    reused_r, reused_w = os.pipe()  # the lowest free numbers: the wake pipe's
+    try:
+        assert reused_w == wake_w
+        thread_progress._standing_back = True
+        thread_progress._wake_thread()
+        assert select.select([reused_r], [], [], 0)[0] == []  # nothing written
+    finally:
+        os.close(reused_r)
+        os.close(reused_w)

@@ -1050,6 +1050,9 @@ class ThreadProgress(Progress):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        # Held to write the pipe and to close it: a wake from another thread racing
+        # `stop` must not write to its number once closed, which may be reused by then.
+        self._pipe_lock = threading.Lock()
         self._loop_thread = threading.get_ident()  # made on the loop's thread
         self._worker = threading.Thread(target=self._run, name="mate-mpi-progress",
                                         daemon=True)
@@ -1075,8 +1078,9 @@ class ThreadProgress(Progress):
         # `_stopping` after it (`_stand_back`), and a loop that gave up has set its clock
         # to -inf, which the wait reads first.
         if self._standing_back:
-            with contextlib.suppress(BlockingIOError):  # full: it is readable anyway
-                os.write(self._wake_w, b"\0")
+            with self._pipe_lock, contextlib.suppress(BlockingIOError):  # full: readable
+                if self._wake_w >= 0:  # -1 once stopped
+                    os.write(self._wake_w, b"\0")
 
     # -- the loop's passes (on the loop's thread) ----------------------------------------
 
@@ -1178,5 +1182,7 @@ class ThreadProgress(Progress):
             self._help.cancel()
             self._help = None
         self._worker.join()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._pipe_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1

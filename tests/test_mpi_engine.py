@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import os
 import select
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -535,3 +536,58 @@ def test_a_wake_that_races_stop_writes_to_no_descriptor() -> None:
     finally:
         os.close(reused_r)
         os.close(reused_w)
+
+
+# -- thread mode: entering the progress context from the poster's thread ------------------
+
+
+@pytest.fixture
+def threaded() -> Iterator[Engine]:
+    loop = asyncio.new_event_loop()
+    engine = Engine(loop, "thread", lambda exc, owner: None, lambda: None)
+    yield engine
+    thread_progress = engine._progress
+    assert isinstance(thread_progress, progress.ThreadProgress)
+    if not thread_progress._stopping:
+        engine.stop()
+    engine.drain(time.monotonic() + 1)
+    engine.free()
+    loop.close()
+
+
+def test_a_post_while_no_pass_runs_is_taken_in_on_the_posters_thread(threaded: Engine) -> None:
+    """Thread mode: a call in the progress context (a request taken in, a send's
+    submission reported) made while no pass runs, as on the loop while the thread
+    stands back, runs at once on the caller's thread instead of waiting in the inbox
+    for a pass: the inbox cost every message a lock, a queued call and a later run."""
+    ran: list[int] = []
+    threaded.call_in_context(lambda: ran.append(threading.get_ident()))
+    assert ran == [threading.get_ident()]
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        request = comm.Irecv(bytearray(1), 0, 3)
+        entry = threaded.add(request, lambda owner, status, error: None, receive=True)
+        assert entry.index >= 0 and not threaded.has_calls()  # taken in, not queued
+        threaded.cancel_receives(standing=False)  # what shutdown does
+        threaded.stop()
+        threaded.drain(time.monotonic() + 1)
+        assert threaded.user_outstanding == 0
+    finally:
+        comm.Free()
+
+
+def test_a_post_while_a_pass_runs_or_calls_wait_queues_behind_them(threaded: Engine) -> None:
+    """A call that finds a pass running (its lock held) goes to the inbox; one that finds
+    earlier calls waiting there queues behind them, so that the progress context
+    takes requests in, and reports, in posting order."""
+    order: list[str] = []
+    thread_progress = threaded._progress
+    assert isinstance(thread_progress, progress.ThreadProgress)
+    with thread_progress._pass_lock:  # a pass runs
+        threaded.call_in_context(order.append, "first")
+        assert order == [] and threaded.has_calls()
+    threaded.stop()  # no thread takes the inbox from here on: it stays as it is
+    threaded.call_in_context(order.append, "second")
+    assert order == []  # behind "first"
+    threaded.test()
+    assert order == ["first", "second"]

@@ -389,7 +389,7 @@ class Engine:
                     else None)
         entry = Entry(request, action, owner, standing, receive, transfer)
         if self._progress.threaded:
-            self.call(self._add_entry, entry)
+            self.call_in_context(self._add_entry, entry)
         else:  # `call_in_context`, without its generic call: this runs for every message
             self._add(entry)
             self._progress.kick()
@@ -462,13 +462,34 @@ class Engine:
         self._progress.kick()
 
     def call_in_context(self, fn: Callable[..., None], *args: Any, owner: Any = None) -> None:
-        """`call`; or, where the caller is in the progress context already (poll and
-        manual modes: everything runs on the loop's thread), `fn(*args)` at once."""
-        if self._progress.threaded:
-            self.call(fn, *args, owner=owner)
+        """`fn(*args)` at once where the caller is in the progress context already (poll
+        and manual modes: everything runs on the loop's thread) or enters it without
+        waiting (thread mode: no pass runs); else, or behind earlier calls, `call`.
+
+        In thread mode the inbox cost each message a lock, a queued call and its run
+        in a later pass; posts on the loop's thread usually find no pass running,
+        since the thread stands back while the loop helps.
+        """
+        progress = self._progress
+        if progress.threaded:
+            # Calls queued before this one (that no pass has taken yet) go first, so
+            # that requests are taken in in posting order: looked at before entering
+            # (a large receive waits for the next send there), and again inside.
+            if self._inbox or not progress.enter():
+                self.call(fn, *args, owner=owner)
+                return
+            try:
+                queued = bool(self._inbox)
+                if not queued:
+                    self._guarded(owner, fn, *args)
+            finally:
+                progress.leave()
+            if queued:
+                self.call(fn, *args, owner=owner)
+                return
         else:
             fn(*args)
-            self._progress.kick()
+        progress.kick()
 
     def call_at_once(self, fn: Callable[..., None], *args: Any, owner: Any = None) -> None:
         """`call`, and have passes run until it has run and one pass more has reported
@@ -820,6 +841,14 @@ class Progress(abc.ABC):
     def drive_passes(self, count: int) -> None:  # noqa: B027
         """Run at least `count` more passes soon (only passes driven by hand need it)."""
 
+    def enter(self) -> bool:
+        """Enter the progress context from the caller's thread if no pass runs (then
+        `leave` it); False where passes have no context to enter (not threaded)."""
+        return False
+
+    def leave(self) -> None:  # noqa: B027
+        """Leave what `enter` entered."""
+
     @abc.abstractmethod
     def stop(self) -> None: ...
 
@@ -1015,7 +1044,9 @@ class ThreadProgress(Progress):
     docstring).
 
     The pass lock keeps the two threads' passes apart (MPI forbids two threads to
-    test one request at once); the loop waits for the thread's pass to end. While
+    test one request at once); the loop waits for the thread's pass to end. Holding
+    it is being in the progress context: a post that finds it free takes its request
+    in at once (`enter`, `Engine.call_in_context`) instead of through the inbox. While
     the loop helps (it ran passes lately), the thread sleeps instead of polling:
     two threads polling in Python fight over the GIL, which costs both. The loop
     stops helping when nothing moved for `SPIN` (and wakes the thread) or no user
@@ -1118,6 +1149,12 @@ class ThreadProgress(Progress):
             self._helped = self._clock[0] = -math.inf
             if engine.user_outstanding:
                 self._wake_thread()  # the loop gave up: the thread carries on, backing off
+
+    def enter(self) -> bool:
+        return self._pass_lock.acquire(False)  # never waits: the caller falls back on `call`
+
+    def leave(self) -> None:
+        self._pass_lock.release()
 
     def _loop_test(self, poke: bool) -> bool:
         # If the thread is in a pass, wait for its end: a pass is short and never blocks,

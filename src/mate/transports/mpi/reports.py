@@ -1,9 +1,10 @@
 """What a progress pass of the MPI transport tells the core, handed over at once.
 
-Reports are made in the progress context only (a pass, or the calls it runs)
-and kept until the pass ends; then `hand_over` gives them to the sink in one
-`report_all`: with handlers on the loop and a progress thread, one hop to the
-loop per pass, however many messages it moved.
+Reports are made in the progress context only (a pass, the calls it runs, or a
+call made in the context at once: `Engine.call_in_context`) and kept until the
+next pass ends; then `hand_over` gives them to the sink in one `report_all`:
+with handlers on the loop and a progress thread, one hop to the loop per pass,
+however many messages it moved.
 """
 
 from __future__ import annotations

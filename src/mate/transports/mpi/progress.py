@@ -471,24 +471,19 @@ class Engine:
         since the thread stands back while the loop helps.
         """
         progress = self._progress
-        if progress.threaded:
-            # Calls queued before this one (that no pass has taken yet) go first, so
-            # that requests are taken in in posting order: looked at before entering
-            # (a large receive waits for the next send there), and again inside.
-            if self._inbox or not progress.enter():
-                self.call(fn, *args, owner=owner)
-                return
+        if not progress.threaded:
+            fn(*args)
+        # Calls this thread queued before (that no pass has taken yet) go first, so that
+        # requests are taken in in posting order (a large receive waits there for the
+        # next send). A pass that took them has run them by the time the lock is free.
+        elif not self._inbox and progress.enter():
             try:
-                queued = bool(self._inbox)
-                if not queued:
-                    self._guarded(owner, fn, *args)
+                self._guarded(owner, fn, *args)
             finally:
                 progress.leave()
-            if queued:
-                self.call(fn, *args, owner=owner)
-                return
         else:
-            fn(*args)
+            self.call(fn, *args, owner=owner)
+            return
         progress.kick()
 
     def call_at_once(self, fn: Callable[..., None], *args: Any, owner: Any = None) -> None:

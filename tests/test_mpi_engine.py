@@ -17,6 +17,7 @@ import os
 import select
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -297,9 +298,31 @@ def test_a_transfer_holds_the_backoff_and_nudges_its_peer_ever_less_often(
     gaps = [b - a for a, b in itertools.pairwise(sent)]
     assert all(later >= 1.5 * earlier for earlier, later in itertools.pairwise(gaps))
     recorder.send(1)
-    # Completed: forgotten at its next due time (~62 ms after posting), without a nudge.
+    # Completed: forgotten at once, and no nudge follows.
     assert nudges_over(recorder, 0.040) == []
     assert recorder.seen[("recv", 1)][0] == 1 and not recorder.engine._transfers
+
+
+def test_a_completed_transfer_lets_go_of_its_message_at_once(recorder: Recorder) -> None:
+    class Message:  # an owner that can be watched for its end
+        pass
+
+    message = Message()
+    gone = weakref.ref(message)
+    buffer = bytearray(progress.TRANSFER_SIZE)
+    done: list[int] = []
+    recorder.engine.add(recorder.comm.Irecv(buffer, 0, 1),
+                        lambda owner, status, error: done.append(status.Get_tag()),
+                        owner=message, receive=True, peer=0, nbytes=len(buffer))
+    del message
+    posted = time.monotonic()
+    recorder.comm.Send(bytes(progress.TRANSFER_SIZE), 0, 1)
+    while not done:
+        recorder.engine.test()
+    # Well before the transfer's first nudge was due (SPIN after posting), when the
+    # engine used to look for completed transfers to drop.
+    assert time.monotonic() - posted < progress.SPIN
+    assert gone() is None and not recorder.engine._transfers
 
 
 def test_a_peers_nudge_is_answered_by_the_transfers_with_that_peer_only(

@@ -338,8 +338,10 @@ class Engine:
         # Work handed to the progress context: (function, args, owner).
         self._inbox: list[tuple[Callable[..., None], tuple[Any, ...], Any]] = []
         self._after_pass: list[tuple[Callable[[], None], Any]] = []
-        self._transfers: list[Entry] = []  # entries with a transfer, possibly completed,
-        self._nudge_due = math.inf  # ... and the soonest time one of them nudges
+        # The outstanding requests that are transfers (a dict: dropped in O(1) as they
+        # complete), and the soonest time one of them nudges (maybe one already gone).
+        self._transfers: dict[Entry, None] = {}
+        self._nudge_due = math.inf
         self._poke_until = 0.0  # native RMA asks for bare progress until then (_poke)
         #: Tells `peer` that a transfer of `nbytes` with it is under way, and whether it
         #: is a native put or get (the transport's control message); None: nobody to
@@ -408,7 +410,7 @@ class Engine:
             now = self._hold(transfer.nbytes, transfer.one_sided)
             transfer.nudge_at = now + transfer.wait
             self._nudge_due = min(self._nudge_due, transfer.nudge_at)
-            self._transfers.append(entry)
+            self._transfers[entry] = None
 
     def nudged(self, peer: int, nbytes: int, one_sided: bool) -> None:
         """`peer` nudged: a transfer of `nbytes` with it has not crossed yet (progress
@@ -434,16 +436,11 @@ class Engine:
         return now
 
     def _nudge_transfers(self, now: float) -> None:
-        """Nudge the peers of the transfers that waited past their time; forget the
-        transfers that completed (or were orphaned)."""
-        kept: list[Entry] = []
+        """Nudge the peers of the transfers that waited past their time."""
         due = math.inf
-        for entry in self._transfers:
+        for entry in list(self._transfers):  # a nudge that fails may orphan a transfer
             transfer = entry.transfer
             assert transfer is not None
-            if not self._live.holds(entry) and not self._standing.holds(entry):
-                continue
-            kept.append(entry)
             if now >= transfer.nudge_at:
                 transfer.wait *= 2  # until a nudge of the peer's answers
                 transfer.nudge_at = now + transfer.wait
@@ -453,7 +450,7 @@ class Engine:
                     self._guarded(entry.owner, self.nudge, transfer.peer, transfer.nbytes,
                                   transfer.one_sided)
             due = min(due, transfer.nudge_at)
-        self._transfers, self._nudge_due = kept, due
+        self._nudge_due = due
 
     def call(self, fn: Callable[..., None], *args: Any, owner: Any = None) -> None:
         """Run `fn(*args)` in the progress context, before the next pass."""
@@ -679,6 +676,8 @@ class Engine:
         # Every entry is found before any is removed: a removal may compact `group`.
         for owner, entry, _, _ in found:
             owner.remove(entry)
+            if entry.transfer is not None:  # its message is let go now, not at a nudge
+                self._transfers.pop(entry, None)  # (an orphan's was dropped already)
         return found
 
     def _find(self, requests: list[MPI.Request], statuses: list[MPI.Status],
@@ -811,6 +810,7 @@ class Engine:
             return False
         group.remove(entry)
         self._orphans.add(entry)
+        self._transfers.pop(entry, None)  # an orphan's peer is not nudged
         return True
 
 

@@ -1208,7 +1208,10 @@ class ThreadProgress(Progress):
 
     def stop(self) -> None:
         with self.engine.wake:
-            self._stopping = True
+            stopped, self._stopping = self._stopping, True
+        if stopped:  # asked again: the thread has ended (or is ending) and the pipe is
+            self._worker.join()  # closed (or is being closed) by the first call
+            return
         self._wake_thread()
         if self._help is not None:
             self._help.cancel()

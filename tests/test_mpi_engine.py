@@ -307,21 +307,25 @@ def test_a_completed_transfer_lets_go_of_its_message_at_once(recorder: Recorder)
     class Message:  # an owner that can be watched for its end
         pass
 
-    message = Message()
-    gone = weakref.ref(message)
     buffer = bytearray(progress.TRANSFER_SIZE)
     done: list[int] = []
-    recorder.engine.add(recorder.comm.Irecv(buffer, 0, 1),
-                        lambda owner, status, error: done.append(status.Get_tag()),
-                        owner=message, receive=True, peer=0, nbytes=len(buffer))
-    del message
-    posted = time.monotonic()
-    recorder.comm.Send(bytes(progress.TRANSFER_SIZE), 0, 1)
-    while not done:
-        recorder.engine.test()
-    # Well before the transfer's first nudge was due (SPIN after posting), when the
-    # engine used to look for completed transfers to drop.
-    assert time.monotonic() - posted < progress.SPIN
+    for tag in range(1, 4):  # tries: one must end before SPIN, told apart below
+        message = Message()
+        gone = weakref.ref(message)
+        posted = time.monotonic()
+        recorder.engine.add(recorder.comm.Irecv(buffer, 0, tag),
+                            lambda owner, status, error: done.append(status.Get_tag()),
+                            owner=message, receive=True, peer=0, nbytes=len(buffer))
+        del message
+        recorder.comm.Send(bytes(progress.TRANSFER_SIZE), 0, tag)
+        while done[-1:] != [tag]:
+            recorder.engine.test()
+        # Before the transfer's first nudge fell due (SPIN after posting), the time at
+        # which the engine used to look for completed transfers to drop.
+        if time.monotonic() - posted < progress.SPIN:
+            break
+    else:
+        pytest.fail("no try completed within SPIN: a host this slow cannot tell")
     assert gone() is None and not recorder.engine._transfers
 
 

@@ -925,6 +925,19 @@ def test_shutdown_deregisters_everything() -> None:
         assert rank.engine.outstanding() == 0 and rank.engine.take_reports() == []
 
 
+def test_shutdown_ends_an_unexpose_that_waits_for_a_peers_ack() -> None:
+    fabric = Fabric(2, eager_size=EAGER)
+    area = expose(fabric, 1, 1000)
+    op = fabric.post(0, put(b"k", 1, area.region.address))
+    fabric.run(random.Random(1))
+    assert_completed(fabric, 0, op)
+    calls: list[str] = []
+    fabric.engine(1).unexpose(area.region, lambda: calls.append("done"))
+    assert calls == []  # rank 0 holds the key: its REVOKE_ACK is due, and never read now
+    fabric.engine(1).shutdown()
+    assert calls == ["done"] and not fabric.ranks[1].pd.by_lkey
+
+
 _one_sided = st.tuples(st.sampled_from(["put", "get"]), st.integers(0, 9),  # slot
                        st.sampled_from([0, 1, 30, 100, 700]), st.booleans(),  # deadline
                        st.integers(0, 2))  # origin

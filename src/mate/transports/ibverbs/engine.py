@@ -545,7 +545,12 @@ class Engine:
         return reports
 
     def shutdown(self) -> None:
-        """Forget every operation and deregister all memory (the core ended the operations)."""
+        """Forget every operation and deregister all memory (the core ended the operations).
+
+        An unexpose still waiting for peers' REVOKE_ACKs ends here: once its memory
+        is deregistered no peer can reach it, and no ack will be read any more.
+        """
+        unexposing = [x.done for x in self._exposed.values() if x.done is not None]
         for fifo in self._fifo:
             fifo.clear()
         for active in self._active:
@@ -574,6 +579,8 @@ class Engine:
         for mr in self._pool_mrs:
             mr.dereg()
         self._pool_mrs = []
+        for done in unexposing:
+            done()
 
     def stats(self) -> dict[str, int]:
         counters = {  # (messages and bytes by op are the core's: World.stats)

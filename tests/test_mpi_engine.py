@@ -617,3 +617,48 @@ def test_a_post_while_a_pass_runs_or_calls_wait_queues_behind_them(threaded: Eng
     assert order == []  # behind "first"
     threaded.test()
     assert order == ["first", "second"]
+
+
+def test_a_report_before_a_request_enters_the_progress_context_with_it(
+        threaded: Engine) -> None:
+    """`add(..., first=report)`: a copied send's submission and its request take one
+    entry into the progress context (in thread mode a lock and a kick each, which
+    were a good part of what posting a send cost there), the report first, so that
+    it precedes whatever the request's completion reports. Queued behind a running
+    pass, they wait as one call, in that order; a report that raises is the
+    owner's failure and the request is taken in all the same."""
+    errors: list[tuple[str, Any]] = []
+    engine = Engine(threaded._progress.loop, "thread",
+                    lambda exc, owner: errors.append((str(exc), owner)), lambda: None)
+    seen: list[tuple[str, int]] = []
+
+    def report(owner: Any) -> None:
+        seen.append((owner, engine.user_outstanding))
+        if owner == "raises":
+            raise RuntimeError("report failed")
+
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        def add(owner: str) -> Entry:
+            return engine.add(comm.Irecv(bytearray(1), 0, 3), lambda *_: None, owner=owner,
+                              receive=True, first=report)
+
+        entry = add("at once")  # no pass runs: on this thread, now
+        assert seen == [("at once", 0)] and entry.index >= 0 and not engine.has_calls()
+        thread_progress = engine._progress
+        assert isinstance(thread_progress, progress.ThreadProgress)
+        with thread_progress._pass_lock:  # a pass runs
+            queued = add("queued")
+            assert len(engine._inbox) == 1 and seen == [("at once", 0)]
+        engine.stop()  # from here on no thread takes the inbox
+        add("raises")
+        engine.test()
+        assert seen == [("at once", 0), ("queued", 1), ("raises", 2)]
+        assert queued.index >= 0 and engine.user_outstanding == 3
+        assert errors == [("report failed", "raises")]
+        engine.cancel_receives(standing=False)
+        engine.drain(time.monotonic() + 1)
+        assert engine.user_outstanding == 0
+    finally:
+        engine.free()
+        comm.Free()

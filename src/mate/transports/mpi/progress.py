@@ -141,6 +141,7 @@ LOOK_EVERY: Final = 8  # ... looking at the front's requests every this many
 
 # Read once: through the module, each use costs a dictionary and an attribute lookup.
 _REQUEST_NULL: Final = MPI.REQUEST_NULL
+_get_ident: Final = threading.get_ident
 
 
 def _no_loop_work() -> int:
@@ -378,12 +379,16 @@ class Engine:
 
     def add(self, request: MPI.Request, action: Action, *, owner: Any = None,
             standing: bool = False, receive: bool = False, peer: int | None = None,
-            nbytes: int = 0, one_sided: bool = False) -> Entry:
+            nbytes: int = 0, one_sided: bool = False,
+            first: Callable[[Any], None] | None = None) -> Entry:
         """Test `request` from now on; run `action(owner, status, error)` when it completes.
 
         A request that moves `nbytes` >= `TRANSFER_SIZE` with one known `peer` is a
         transfer (see the module's docstring); a `one_sided` one (a native put or
-        get) has passes poke while it lasts. The returned entry is the request's
+        get) has passes poke while it lasts. `first(owner)`, if given, runs in the
+        progress context just before the request is taken in (a report that must
+        precede its completion's): one entry into the context for both, which in
+        thread mode costs a lock and a kick. The returned entry is the request's
         handle for `disown`.
         """
         transfer = (Transfer(peer, nbytes, one_sided)
@@ -391,11 +396,23 @@ class Engine:
                     else None)
         entry = Entry(request, action, owner, standing, receive, transfer)
         if self._progress.threaded:
-            self.call_in_context(self._add_entry, entry)
+            if first is None:
+                self.call_in_context(self._add_entry, entry)
+            else:
+                self.call_in_context(self._first_then_add, first, entry, owner=owner)
         else:  # `call_in_context`, without its generic call: this runs for every message
+            if first is not None:
+                first(owner)
             self._add(entry)
             self._progress.kick()
         return entry
+
+    def _first_then_add(self, first: Callable[[Any], None], entry: Entry) -> None:
+        try:
+            first(entry.owner)
+        except Exception as exc:
+            self._on_error(exc, entry.owner)
+        self._add(entry)
 
     def _add(self, entry: Entry) -> None:
         if entry.index == DISOWNED:  # while it waited in the inbox (`disown`)
@@ -474,8 +491,10 @@ class Engine:
         # requests are taken in in posting order (a large receive waits there for the
         # next send). A pass that took them has run them by the time the lock is free.
         elif not self._inbox and progress.enter():
-            try:
-                self._guarded(owner, fn, *args)
+            try:  # `_guarded`, inline: this runs for every message in thread mode
+                fn(*args)
+            except Exception as exc:
+                self._on_error(exc, owner)
             finally:
                 progress.leave()
         else:
@@ -1088,7 +1107,7 @@ class ThreadProgress(Progress):
         pass  # the thread runs from the start
 
     def kick(self) -> None:
-        if self.engine.loop_helps and threading.get_ident() == self._loop_thread:
+        if self.engine.loop_helps and _get_ident() == self._loop_thread:
             # Posted on the loop: its next pass takes the new work, as in poll mode,
             # and a thread standing back looks again soon enough should the loop
             # compute instead. Waking it for nothing would cost the loop the GIL.

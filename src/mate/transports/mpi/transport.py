@@ -178,10 +178,11 @@ class MpiTransport(Transport):
             self.fail_later(msg, FailureReason.TRANSPORT, f"MPI_Issend: {exc}", exc)
             return
         state = msg.transport_data = _Send(data, copied)
-        if copied:
-            self.engine.call_in_context(self._report_submitted, msg)
+        # A copied send's buffer is reusable at once: its submission is reported as the
+        # request is taken in, before anything can complete it.
         state.entry = self.engine.add(request, self._on_send_done, owner=msg, peer=msg.peer,
-                                      nbytes=len(data))
+                                      nbytes=len(data),
+                                      first=self._report_submitted if copied else None)
         if self._deferred:
             self._issue_deferred()
 

@@ -662,3 +662,26 @@ def test_a_report_before_a_request_enters_the_progress_context_with_it(
     finally:
         engine.free()
         comm.Free()
+
+
+def test_the_loop_waiting_for_the_threads_pass_lets_the_pass_run(threaded: Engine) -> None:
+    """The loop's pass waits for the progress thread's pass to end (`_loop_test`), and
+    the waiting must release the GIL, which the thread's pass needs to end: a lock
+    that kept it would hang the rank. Here a thread holds the pass lock while it
+    counts in Python, as a pass runs Python between its MPI calls."""
+    thread_progress = threaded._progress
+    assert isinstance(thread_progress, progress.ThreadProgress)
+    counted, holding = [0], threading.Event()
+
+    def pass_in_python() -> None:
+        with thread_progress._pass_lock:
+            holding.set()
+            for _ in range(200_000):
+                counted[0] += 1
+
+    passer = threading.Thread(target=pass_in_python)
+    passer.start()
+    holding.wait()
+    thread_progress._loop_test(False)  # waits for the lock, then runs a pass
+    assert counted[0] == 200_000
+    passer.join()

@@ -1083,7 +1083,10 @@ class ThreadProgress(Progress):
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(engine, loop)
         self._stopping = False
-        self._pass_lock = threading.Lock()
+        # mypyc's lock, as the engine's: compiled code calls it directly, where a
+        # threading.Lock's acquire(False) parsed its arguments at every post. Waiting
+        # for it releases the GIL, which `_loop_test` relies on.
+        self._pass_lock = Lock()
         self._help: asyncio.Handle | None = None  # the loop's next pass, if it helps
         self._helped = -math.inf  # when the loop last began to help (monotonic), while it helps
         # When the loop last ran passes or began to help (monotonic; +inf while it runs

@@ -142,6 +142,7 @@ LOOK_EVERY: Final = 8  # ... looking at the front's requests every this many
 # Read once: through the module, each use costs a dictionary and an attribute lookup.
 _REQUEST_NULL: Final = MPI.REQUEST_NULL
 _get_ident: Final = threading.get_ident
+_monotonic: Final = time.monotonic  # read in every pass
 
 
 def _no_loop_work() -> int:
@@ -262,7 +263,7 @@ class Backoff:
     """How long to pause before the next pass: none while things move, then longer."""
 
     def __init__(self) -> None:
-        self.last_progress = time.monotonic()
+        self.last_progress = _monotonic()
         self._moved = False  # progress since the clock was last read
         self._pause = 0.0
         self._held_until = 0.0  # no backoff before this time (transfers, nudges)
@@ -283,7 +284,7 @@ class Backoff:
 
     def idle(self) -> float:
         """Seconds since the last progress (from the first look after it)."""
-        return self._idle(time.monotonic())
+        return self._idle(_monotonic())
 
     def _idle(self, now: float) -> float:
         if self._moved:
@@ -293,12 +294,14 @@ class Backoff:
 
     def spinning(self) -> bool:
         """Still in the first SPIN seconds after the last progress, or held."""
-        now = time.monotonic()
+        if self._moved:
+            return True  # progress since the clock was last read: no need to read it
+        now = _monotonic()
         return self._idle(now) < SPIN or now < self._held_until
 
     def pause(self) -> float:
         """The pause before the next pass while user messages are outstanding."""
-        now = time.monotonic()
+        now = _monotonic()
         idle = self._idle(now)
         if idle < SPIN or self.hot() or now < self._held_until:
             return 0.0
@@ -446,7 +449,7 @@ class Engine:
         """Hold the backoff for a transfer of `nbytes`, and if it is a native put or get,
         poke for as long; the time now."""
         hold = transfer_hold(nbytes)
-        now = time.monotonic()
+        now = _monotonic()
         self.backoff.hold(hold, now)
         if one_sided:
             self._poke_until = max(self._poke_until, now + hold)
@@ -543,7 +546,7 @@ class Engine:
     def poking(self) -> bool:
         """Whether a native put or get, this rank's or (by its nudge) a peer's, asks for
         bare progress between passes now."""
-        return time.monotonic() < self._poke_until
+        return _monotonic() < self._poke_until
 
     def test(self, poke: bool = False) -> bool:
         """Run queued calls, test every request, run the actions; True if anything moved.
@@ -573,15 +576,15 @@ class Engine:
             moved = True
         if self._live or self._standing:
             moved = self._test_live() or moved
-        if self._orphans and time.monotonic() >= self._next_orphan_test:
-            self._next_orphan_test = time.monotonic() + ORPHAN_INTERVAL
+        if self._orphans and _monotonic() >= self._next_orphan_test:
+            self._next_orphan_test = _monotonic() + ORPHAN_INTERVAL
             orphans = self._orphans
             requests = orphans.requests[orphans.first:]
             self._complete(self._testsome(requests, orphans, orphans.first, len(requests)))
         # A transfer makes a large message cross a fragment per pass: keep its passes
         # light, one look at the clock (see the module's docstring, transfers).
         if self._transfers:
-            now = time.monotonic()
+            now = _monotonic()
             if now >= self._nudge_due:
                 self._nudge_transfers(now)
         if self._after_pass:
@@ -774,7 +777,7 @@ class Engine:
     def drain(self, deadline: float) -> None:
         """After `stop`: run passes on the caller's thread until no request that can
         still finish is left (orphaned sends excepted) or the deadline passes."""
-        while time.monotonic() < deadline:
+        while _monotonic() < deadline:
             self.test()
             if not self._inbox and not self._live and not self._standing:
                 return
@@ -871,7 +874,7 @@ def _stand_back_in_python(clock: array[float], period: float, fd: int, /) -> boo
     """`mate._stand_back.stand_back` in Python, where that is not built: the same
     wait, but each look at `clock` needs the GIL."""
     while True:
-        left = clock[0] + period - time.monotonic()
+        left = clock[0] + period - _monotonic()
         if not left > 0:
             return False
         if select.select([fd], [], [], min(left, period))[0]:
@@ -916,10 +919,10 @@ def loop_slice(engine: Engine, test: Callable[[bool], bool]) -> None:
         if not moved and engine.poking():
             test(True)  # a target's pokes, once per turn: the loop may have work waiting
         return
-    give_up = time.monotonic() + SLICE
-    while not moved and time.monotonic() < give_up:
+    give_up = _monotonic() + SLICE
+    while not moved and _monotonic() < give_up:
         moved = test(True)  # nothing to hand over yet: a pass may poke
-    while moved and engine.user_outstanding and time.monotonic() < give_up:
+    while moved and engine.user_outstanding and _monotonic() < give_up:
         moved = test(False)
 
 
@@ -938,7 +941,7 @@ def await_spin(engine: Engine, test: Callable[[bool], bool], done: Callable[[], 
     """
     loop_work = engine.loop_work
     mark = loop_work()
-    while not done() and time.monotonic() < give_up:
+    while not done() and _monotonic() < give_up:
         if test(True) and loop_work() != mark:
             return
 
@@ -981,7 +984,7 @@ class PollProgress(Progress):
         if delay <= 0:
             self._due = math.inf
             self._soon = self.loop.call_soon(self._poll)
-            self._soon_at = time.monotonic()
+            self._soon_at = _monotonic()
             return
         when = self.loop.time() + delay
         if when < self._due:
@@ -1141,12 +1144,12 @@ class ThreadProgress(Progress):
                 try:
                     await_spin(self.engine, self._loop_test, done, self._helped + SLICE)
                 finally:
-                    self._clock[0] = time.monotonic()
+                    self._clock[0] = _monotonic()
             self._start_helping()
 
     def _start_helping(self) -> None:
         if self._help is None and not self._stopping:
-            self._helped = self._clock[0] = time.monotonic()
+            self._helped = self._clock[0] = _monotonic()
             self._help = self.loop.call_soon(self._help_pass)
 
     def _help_pass(self) -> None:
@@ -1154,12 +1157,12 @@ class ThreadProgress(Progress):
         if self._stopping:
             return
         engine = self.engine
-        self._helped = time.monotonic()
+        self._helped = _monotonic()
         self._clock[0] = math.inf
         try:
             loop_slice(engine, self._loop_test)
         finally:
-            self._clock[0] = time.monotonic()
+            self._clock[0] = _monotonic()
         if engine.user_outstanding and engine.backoff.spinning():
             self._help = self.loop.call_soon(self._help_pass)
         else:
@@ -1184,7 +1187,7 @@ class ThreadProgress(Progress):
     # -- the thread's passes -------------------------------------------------------------
 
     def _loop_helping(self) -> bool:
-        return self._clock[0] + STAND_BACK > time.monotonic()
+        return self._clock[0] + STAND_BACK > _monotonic()
 
     def _stand_back(self) -> None:
         """Sleep while the loop runs the passes, or until woken (`_wake_thread`)."""

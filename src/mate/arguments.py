@@ -31,6 +31,7 @@ _RECV: Final = Op.RECV
 _PUT: Final = Op.PUT
 _UNSET: Final = UNSET  # imported names too: Final, they are not looked up per call
 _NO_SCHEDULE: Final = NO_SCHEDULE
+_memoryview: Final = memoryview  # a builtin too: compiled code looked it up at every call
 
 
 def seconds(value: Any, what: str) -> float:
@@ -147,7 +148,7 @@ def buffer(obj: Any, *, writable: bool, what: str) -> memoryview:
     try:
         # Our own view, even of a memoryview: the caller may release theirs while
         # the message is in flight, and ours keeps the memory (SPEC §2, Buffers).
-        view = memoryview(obj)
+        view = _memoryview(obj)
     except TypeError:
         raise InvalidArgument(
             f"{what} must support the buffer protocol (bytes, bytearray, memoryview, "

@@ -685,3 +685,32 @@ def test_the_loop_waiting_for_the_threads_pass_lets_the_pass_run(threaded: Engin
     thread_progress._loop_test(False)  # waits for the lock, then runs a pass
     assert counted[0] == 200_000
     passer.join()
+
+
+def test_a_thread_mode_rank_that_waits_lets_its_core_rest() -> None:
+    """SPEC §7: a rank waiting in thread mode costs little CPU. The loop helps with
+    passes after a post, and must give up once nothing moved for SPIN, which it learns
+    from the backoff's clock: a backoff that kept answering "spinning" after one
+    progress (its flag never cleared) kept the loop polling, a whole core, for as long
+    as the message did not come."""
+    loop = asyncio.new_event_loop()
+    engine = Engine(loop, "thread", lambda exc, owner: None, lambda: None)
+    comm = MPI.COMM_SELF.Dup()
+
+    async def wait() -> float:
+        engine.add(comm.Irecv(bytearray(1), 0, 5), lambda *_: None, receive=True)
+        await asyncio.sleep(0.05)  # the loop helps, then gives up
+        cpu, start = time.process_time(), time.monotonic()
+        await asyncio.sleep(0.5)
+        return (time.process_time() - cpu) / (time.monotonic() - start)
+
+    try:
+        share = loop.run_until_complete(wait())
+        assert share < 0.3, f"{share:.0%} of a core while waiting"
+    finally:
+        engine.cancel_receives(standing=False)
+        engine.stop()
+        engine.drain(time.monotonic() + 1)
+        engine.free()
+        comm.Free()
+        loop.close()

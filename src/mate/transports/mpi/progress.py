@@ -294,10 +294,15 @@ class Backoff:
 
     def spinning(self) -> bool:
         """Still in the first SPIN seconds after the last progress, or held."""
-        if self._moved:
-            return True  # progress since the clock was last read: no need to read it
         now = _monotonic()
         return self._idle(now) < SPIN or now < self._held_until
+
+    def quiet(self) -> bool:
+        """Not `spinning()`: past SPIN after the last progress, and not held. Without
+        reading the clock when something moved since it was last read (a large post
+        asks, `MpiTransport._nudge_if_quiet`): the flag stays for a reader that stamps
+        the progress's time, which a `spinning()` that answered from it never did."""
+        return not (self._moved or self.spinning())
 
     def pause(self) -> float:
         """The pause before the next pass while user messages are outstanding."""

@@ -307,7 +307,7 @@ class MpiTransport(Transport):
         """Before posting a large message: if this rank was quiet, its peer may be
         backing off, so nudge it now. Not later: a nudge sent once the data is under
         way reaches the peer behind it (see progress.py, transfers)."""
-        if nbytes >= TRANSFER_SIZE and not self.engine.backoff.spinning():
+        if nbytes >= TRANSFER_SIZE and self.engine.backoff.quiet():
             self._nudge(peer, nbytes, False)
 
     def _nudge(self, peer: int, nbytes: int, one_sided: bool) -> None:

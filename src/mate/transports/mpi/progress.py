@@ -298,10 +298,9 @@ class Backoff:
         return self._idle(now) < SPIN or now < self._held_until
 
     def quiet(self) -> bool:
-        """Not `spinning()`: past SPIN after the last progress, and not held. Without
-        reading the clock when something moved since it was last read (a large post
-        asks, `MpiTransport._nudge_if_quiet`): the flag stays for a reader that stamps
-        the progress's time, which a `spinning()` that answered from it never did."""
+        """Not `spinning()` (a large post asks, `MpiTransport._nudge_if_quiet`). Progress
+        since the clock was last read is not quiet, and needs no clock: the flag is
+        left for the next reader, which stamps the progress's time (`_idle`)."""
         return not (self._moved or self.spinning())
 
     def pause(self) -> float:

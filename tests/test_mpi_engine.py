@@ -619,8 +619,7 @@ def test_a_post_while_a_pass_runs_or_calls_wait_queues_behind_them(threaded: Eng
     assert order == ["first", "second"]
 
 
-def test_a_report_before_a_request_enters_the_progress_context_with_it(
-        threaded: Engine) -> None:
+def test_a_report_before_a_request_enters_the_progress_context_with_it() -> None:
     """`add(..., first=report)`: a copied send's submission and its request take one
     entry into the progress context (in thread mode a lock and a kick each, which
     were a good part of what posting a send cost there), the report first, so that
@@ -628,8 +627,9 @@ def test_a_report_before_a_request_enters_the_progress_context_with_it(
     pass, they wait as one call, in that order; a report that raises is the
     owner's failure and the request is taken in all the same."""
     errors: list[tuple[str, Any]] = []
-    engine = Engine(threaded._progress.loop, "thread",
-                    lambda exc, owner: errors.append((str(exc), owner)), lambda: None)
+    loop = asyncio.new_event_loop()
+    engine = Engine(loop, "thread", lambda exc, owner: errors.append((str(exc), owner)),
+                    lambda: None)
     seen: list[tuple[str, int]] = []
 
     def report(owner: Any) -> None:
@@ -660,8 +660,10 @@ def test_a_report_before_a_request_enters_the_progress_context_with_it(
         engine.drain(time.monotonic() + 1)
         assert engine.user_outstanding == 0
     finally:
+        engine.stop()  # again, if the test got that far: stopping twice is allowed
         engine.free()
         comm.Free()
+        loop.close()
 
 
 def test_the_loop_waiting_for_the_threads_pass_lets_the_pass_run(threaded: Engine) -> None:

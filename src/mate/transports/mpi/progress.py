@@ -415,7 +415,7 @@ class Engine:
         return entry
 
     def _first_then_add(self, first: Callable[[Any], None], entry: Entry) -> None:
-        try:
+        try:  # `_guarded`, inline: this runs for every copied send in thread mode
             first(entry.owner)
         except Exception as exc:
             self._on_error(exc, entry.owner)

@@ -5,7 +5,10 @@ C with mypyc, those of `mate.native.EXTENSIONS` are built from their C source,
 and the SHA-256 of each source compiled is recorded beside them
 (`mate.native` loads the sources instead if one changes later). Pure Python
 is installed instead when ``MATE_COMPILE=0``, or when there is no C compiler,
-with a note saying so; every module works either way.
+with a note saying so; every module works either way. `mate._mpi` also needs
+MPICH's mpi.h and mpi4py's C API, which the build's requirements bring on
+Linux (pyproject.toml); where they are missing it is left out, with a note,
+and the MPI transport calls mpi4py instead.
 """
 
 from __future__ import annotations
@@ -65,6 +68,34 @@ class BuildExt(build_ext):
             json.dumps(NATIVE.record(SRC / "mate"), indent=1, sort_keys=True) + "\n")
 
 
+def _mpi_headers() -> list[str] | None:
+    """The include directories of MPICH's mpi.h and mpi4py's C API, if both are here."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        import mpi4py
+
+        mpich = distribution("mpich")
+    except (ImportError, PackageNotFoundError):
+        return None
+    headers = [f for f in mpich.files or () if f.name == "mpi.h"]
+    if not headers:
+        return None
+    return [str(Path(mpich.locate_file(headers[0])).resolve().parent), mpi4py.get_include()]
+
+
+def _c_module(module: str) -> Extension | None:
+    source = str(NATIVE.source_of(module, Path("src/mate")))
+    if module != "mate._mpi":
+        return Extension(module, [source])
+    include_dirs = _mpi_headers()
+    if include_dirs is None:
+        print("mate: no MPICH mpi.h or mpi4py headers at build time: mate._mpi left out "
+              "(the MPI transport calls mpi4py)", file=sys.stderr)
+        return None
+    return Extension(module, [source], include_dirs=include_dirs, libraries=["dl"])
+
+
 def extensions() -> list:
     if os.environ.get("MATE_COMPILE", "1") == "0":
         print("mate: MATE_COMPILE=0: installing pure Python", file=sys.stderr)
@@ -75,8 +106,7 @@ def extensions() -> list:
     from mypyc.build import mypycify
 
     paths = [str(NATIVE.source_of(m, Path("src/mate"))) for m in NATIVE.COMPILED]
-    c_modules = [Extension(m, [str(NATIVE.source_of(m, Path("src/mate")))])
-                 for m in NATIVE.EXTENSIONS]
+    c_modules = [c for m in NATIVE.EXTENSIONS if (c := _c_module(m)) is not None]
     return [*mypycify(paths, opt_level="3", group_name="mate"), *c_modules]
 
 

@@ -8,17 +8,19 @@ progress engine and reporter -- is compiled to C with mypyc when mate is
 installed (setup.py; ``MATE_COMPILE=0`` installs pure Python, as does a build
 with no C compiler). The code is the
 same: each compiled module is its own source, type-checked by mypy --strict,
-and runs as Python wherever it is not compiled. Three modules are written in C:
+and runs as Python wherever it is not compiled. Four modules are written in C:
 `mate._buffer`, for what Python has no cheap call for (a buffer's address,
 copies by address: `mate.buffers`), `mate._receipt`, which builds a
-receipt by storing its fields into its slots, and `mate._stand_back`, the MPI
+receipt by storing its fields into its slots, `mate._stand_back`, the MPI
 progress thread's wait while the loop runs the passes, which reads the loop's
-clock without the GIL; where they are not built or not wanted, ctypes, attrs'
-constructor and a Python loop over select() serve instead. `mate.world`, the API in front
-of the ledger, stays Python: compiled, its public calls would refuse arguments
-of the wrong type with a TypeError at the call boundary, before
-`mate.arguments` can answer InvalidArgument, and its reads of a `Transport`'s
-class attributes would miss a Python subclass's overrides.
+clock without the GIL, and `mate._mpi`, the MPI calls every message makes
+(`mate.transports.mpi.calls`); where they are not built or not wanted, ctypes,
+attrs' constructor, a Python loop over select() and mpi4py serve instead.
+`mate.world`, the API in front of the ledger, stays Python: compiled, its
+public calls would refuse arguments of the wrong type with a TypeError at the
+call boundary, before `mate.arguments` can answer InvalidArgument, and its
+reads of a `Transport`'s class attributes would miss a Python subclass's
+overrides.
 
 The build records each compiled source's SHA-256 in ``_native.json`` beside
 this file. Importing this module (``mate/__init__`` does it first) puts a
@@ -72,7 +74,7 @@ COMPILED = (
 )
 #: Modules written in C (setup.py builds them beside the others); each is imported
 #: with a Python fallback.
-EXTENSIONS = ("mate._buffer", "mate._receipt", "mate._stand_back")
+EXTENSIONS = ("mate._buffer", "mate._mpi", "mate._receipt", "mate._stand_back")
 RECORD = "_native.json"  # beside this file: {module: sha256 of the source compiled}
 PURE_VARIABLE = "MATE_PURE_PYTHON"
 

@@ -109,6 +109,7 @@ from librt.threading import Lock
 from mpi4py import MPI
 
 from mate.debug import HotSpotHook
+from mate.transports.mpi import calls
 
 logger = logging.getLogger("mate")
 
@@ -335,7 +336,7 @@ class Engine:
         # kept from pass to pass so that a message makes no Status of its own.
         self._statuses: list[MPI.Status] = []
         self._statuses_again: list[MPI.Status] = []  # a second Testsome's (_testsome)
-        self._testsome_call = MPI.Request.Testsome  # looked up once, not twice a pass
+        self._testsome_call: calls.Testsome = calls.testsome  # from C where it can (calls.py)
         # What a pass tests first (see _test_live): the user's oldest requests, from
         # index _front_first, _front_size of them, then the transport's own.
         self._front: list[MPI.Request] = []

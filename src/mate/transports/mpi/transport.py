@@ -51,6 +51,7 @@ from mate.constants import ANY_SOURCE, ANY_TAG
 from mate.errors import FailureReason
 from mate.schedule import Op, Region
 from mate.transports.base import Operation, Sink, Transport
+from mate.transports.mpi import calls
 from mate.transports.mpi.control import Control, ControlChannel, Nudge
 from mate.transports.mpi.progress import TRANSFER_SIZE, Action, Engine, Entry
 from mate.transports.mpi.reports import Reporter
@@ -96,6 +97,8 @@ class MpiTransport(Transport):
         self.shutdown_timeout = shutdown_timeout
         self.comm = MPI.COMM_WORLD.Dup()
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self._issend: calls.Post = calls.issend  # a message's MPI calls (calls.py)
+        self._irecv: calls.Post = calls.irecv
         self.mypid = self.comm.Get_rank()
         self.numprocs = self.comm.Get_size()
         self.tag_max = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
@@ -173,7 +176,7 @@ class MpiTransport(Transport):
         data = bytes(buffer) if copied else buffer
         self._nudge_if_quiet(msg.peer, len(data))
         try:
-            request = self.comm.Issend(data, msg.peer, msg.tag)
+            request = self._issend(self.comm, data, msg.peer, msg.tag)
         except MPI.Exception as exc:
             self.fail_later(msg, FailureReason.TRANSPORT, f"MPI_Issend: {exc}", exc)
             return
@@ -250,7 +253,7 @@ class MpiTransport(Transport):
         if peer is not None:
             self._nudge_if_quiet(peer, len(msg.buffer))
         try:
-            request = self.comm.Irecv(msg.buffer, source, tag)
+            request = self._irecv(self.comm, msg.buffer, source, tag)
         except MPI.Exception as exc:
             self.fail_later(msg, FailureReason.TRANSPORT, f"MPI_Irecv: {exc}", exc)
             return

@@ -1,0 +1,31 @@
+"""The MPI calls every message makes: from C where `mate._mpi` runs, else mpi4py's.
+
+A message of the MPI transport is posted with `issend` or `irecv` and found
+complete by the `testsome` of a pass. Made through mpi4py, each of these
+calls cost 0.6-0.9 us more than made from C (`bench/mpi_calls.py`), where a
+message costs mate about 5 us in all; `mate._mpi` makes the same calls from C
+on the same mpi4py objects. It is not there in a pure-Python install or run
+(``MATE_PURE_PYTHON``), where it was built without MPI's headers, or where
+mpi4py runs on an MPI library not of MPICH's ABI; mpi4py's own methods,
+called unbound, serve then, with the same arguments and results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mpi4py import MPI
+
+Post = Callable[[Any, Any, int, int], Any]  # (comm, buffer, rank, tag) -> MPI.Request
+Testsome = Callable[[list[Any], list[Any]], "list[int] | None"]
+
+try:
+    from mate._mpi import irecv, issend, testsome
+
+    FROM_C = True
+except ImportError:
+    issend, irecv, testsome = MPI.Comm.Issend, MPI.Comm.Irecv, MPI.Request.Testsome
+    FROM_C = False
+
+__all__ = ["FROM_C", "Post", "Testsome", "irecv", "issend", "testsome"]

@@ -103,27 +103,31 @@ post(const char *name, PyObject *const *args, Py_ssize_t nargs, int receive)
     if (as_int(args[2], &peer) < 0 || as_int(args[3], &tag) < 0) {
         return NULL;
     }
+    /* The Request first, as mpi4py does: MPI writes the handle into it, so that no
+       request MPI holds is ever without its object. */
+    PyObject *out = PyMPIRequest_New(MPI_REQUEST_NULL);
+    if (out == NULL) {
+        return NULL;
+    }
     Py_buffer view;
     if (PyObject_GetBuffer(buffer, &view, receive ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
+        Py_DECREF(out);
         return NULL;
     }
     MPI_Comm comm = ((PyMPICommObject *)args[0])->ob_mpi;
-    MPI_Request request = MPI_REQUEST_NULL;
+    MPI_Request *request = &((PyMPIRequestObject *)out)->ob_mpi;
     int ierr;
     Py_BEGIN_ALLOW_THREADS
     if (receive) {
-        ierr = irecv_c(view.buf, (MPI_Count)view.len, MPI_BYTE, peer, tag, comm, &request);
+        ierr = irecv_c(view.buf, (MPI_Count)view.len, MPI_BYTE, peer, tag, comm, request);
     } else {
-        ierr = issend_c(view.buf, (MPI_Count)view.len, MPI_BYTE, peer, tag, comm, &request);
+        ierr = issend_c(view.buf, (MPI_Count)view.len, MPI_BYTE, peer, tag, comm, request);
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     if (ierr != MPI_SUCCESS) {
+        Py_DECREF(out);
         return raise_mpi(ierr);
-    }
-    PyObject *out = PyMPIRequest_New(request);
-    if (out == NULL) {
-        return NULL; /* not reached in practice: a Request is a few words */
     }
     set_buffer((PyMPIRequestObject *)out, buffer);
     return out;
@@ -198,8 +202,8 @@ testsome(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         }
     }
     int none_active = outcount == MPI_UNDEFINED;
-    if (none_active) {
-        outcount = 0;
+    if (none_active || outcount < 0 || outcount > count) {
+        outcount = 0; /* MPI_UNDEFINED, or an error other than MPI_ERR_IN_STATUS */
     }
     while (PyList_GET_SIZE(statuses) < outcount) {
         PyObject *status = PyMPIStatus_New(&found[0]);
@@ -254,8 +258,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "mate._mpi", "The MPI transport's per-message MPI calls, from C.",
-    -1, methods,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "mate._mpi",
+    .m_doc = "The MPI transport's per-message MPI calls, from C.",
+    .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC

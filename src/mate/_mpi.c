@@ -165,12 +165,6 @@ testsome(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_OverflowError, "testsome(): too many requests");
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (!PyObject_TypeCheck(PyList_GET_ITEM(requests, i), &PyMPIRequest_Type)) {
-            PyErr_SetString(PyExc_TypeError, "testsome(): requests must be MPI.Request objects");
-            return NULL;
-        }
-    }
     MPI_Request handles_here[ON_STACK];
     MPI_Status found_here[ON_STACK];
     int indices_here[ON_STACK];
@@ -189,7 +183,12 @@ testsome(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         }
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        handles[i] = ((PyMPIRequestObject *)PyList_GET_ITEM(requests, i))->ob_mpi;
+        PyObject *request = PyList_GET_ITEM(requests, i);
+        if (!PyObject_TypeCheck(request, &PyMPIRequest_Type)) {
+            PyErr_SetString(PyExc_TypeError, "testsome(): requests must be MPI.Request objects");
+            goto done;
+        }
+        handles[i] = ((PyMPIRequestObject *)request)->ob_mpi;
     }
     Py_BEGIN_ALLOW_THREADS
     ierr = testsome_c((int)count, handles, &outcount, indices, found);

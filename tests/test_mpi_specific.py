@@ -370,10 +370,12 @@ async def test_refused_emulated_gets_posted_in_bursts_all_fail_none_times_out(
 
 async def test_a_large_native_put_or_get_tells_its_target_to_poll(fabric: Fabric) -> None:
     """A passive target sees no sign of a native put or get, yet MPICH moves a large one
-    only inside the target's MPI calls: the origin nudges the target as it issues each
-    operation of TRANSFER_SIZE bytes or more, and never for a smaller one. (One still
-    under way SPIN later nudges again, late: a loaded host may take that long.)"""
-    from mate.transports.mpi.progress import TRANSFER_SIZE
+    only inside the target's MPI calls: the origin nudges the target as it issues an
+    operation of TRANSFER_SIZE bytes or more, never for a smaller one, and not again
+    while its last nudge has the target poking still (half the hold of that nudge's
+    operation). (One still under way SPIN later nudges again, late: a loaded host may
+    take that long.)"""
+    from mate.transports.mpi.progress import TRANSFER_SIZE, transfer_hold
 
     async def program(world: mate.World) -> None:
         memory = bytearray(2 * TRANSFER_SIZE)
@@ -385,17 +387,30 @@ async def test_a_large_native_put_or_get_tells_its_target_to_poll(fabric: Fabric
             await world.recv(raw, 1, tag=5)
         await barrier(world)
         before = world.stats()
+
+        def on_time_nudges() -> int:
+            stats = world.stats()
+            return (stats["nudges_sent"] - before["nudges_sent"]
+                    - (stats["nudges_late"] - before["nudges_late"]))
+
         if world.mypid == 0:
             base = int.from_bytes(raw, "little")
             data = bytes(i % 253 for i in range(TRANSFER_SIZE))
             await world.put(data[:-1], 1, base)  # one byte short: no nudge
+            assert on_time_nudges() == 0
+            window = transfer_hold(TRANSFER_SIZE) / 2
+            before_put = time.monotonic()
             await world.put(data, 1, base + TRANSFER_SIZE)
+            after_put = time.monotonic()  # the nudge went between the two
+            assert on_time_nudges() == 1
             back = bytearray(TRANSFER_SIZE)
             await world.get(back, 1, base + TRANSFER_SIZE)
             assert back == data
-            after = world.stats()
-            late = after["nudges_late"] - before["nudges_late"]
-            assert after["nudges_sent"] - before["nudges_sent"] - late == 2
+            if time.monotonic() < before_put + window:  # the target pokes still: no nudge
+                assert on_time_nudges() == 1
+            await asyncio.sleep(after_put + window - time.monotonic())
+            await world.get(back, 1, base + TRANSFER_SIZE)  # its pokes are over: nudged
+            assert on_time_nudges() == 2
         await barrier(world)
         if region is not None:
             assert world.stats()["nudges_received"] - before["nudges_received"] >= 2

@@ -65,7 +65,8 @@ sent after a large send waits behind its data: a large send or receive
 posted while its rank was quiet is preceded by a nudge, since its peer may
 be backing off (`MpiTransport._nudge_if_quiet`). A native put or get is a
 transfer too, but its target has no request of its own to see it by: the
-origin nudges the target whenever it issues one (`NativeRma.start`).
+origin nudges the target as it issues one, unless its last nudge still has
+the target poking (`NativeRma.nudge`).
 
 While a native put or get of `TRANSFER_SIZE` or more is under way, at its
 origin and (told by the nudge) at its target, a pass that finds nothing,

@@ -18,9 +18,12 @@ tests them all with ``Testsome`` (`_Poller`), the cheapest way to await many.
 
 Per iteration, rank 0 (rank 1 mirrors the two-sided patterns):
 
-* pingpong: ``r = recv; await send (or its submission); await r``; the figure is
-  half the round trip. Raw: blocking ``Ssend`` + ``Recv`` (``Send`` with
-  ``--wait submission``).
+* pingpong: ``s = send; r = recv; await s (or its submission); await r``; rank 1
+  ``await r; s = send; r = recv; await s``, so that each side's message leaves
+  before the receive of the next is posted (raw MPI's order), and that receive
+  is still posted before its message can come (that needs this one to arrive
+  first). The figure is half the round trip. Raw: blocking ``Ssend`` + ``Recv``
+  (``Send`` with ``--wait submission``).
 * pingping: both ranks ``r = recv; s = send; await s (or its submission); await r``
   at once; the figure is the time per exchange. Raw: ``Irecv`` + ``Isend`` +
   ``Waitall``.
@@ -148,16 +151,13 @@ class MateBench:
         async def pingpong(n: int) -> Sample:
             await self._start(n, size)
             start = clock()
-            if submission:
-                for _ in range(n):
-                    r = recv(into, 1, DATA_TAG)
-                    await send(out, 1, DATA_TAG).submitted  # type: ignore[misc]
-                    await r
-            else:
-                for _ in range(n):
-                    r = recv(into, 1, DATA_TAG)
-                    await send(out, 1, DATA_TAG)
-                    await r
+            # The ping leaves first, then the receive of its answer is posted (the
+            # answer cannot come before the ping has arrived): raw MPI's order.
+            for _ in range(n):
+                s = send(out, 1, DATA_TAG)
+                r = recv(into, 1, DATA_TAG)
+                await _sent(s, submission)
+                await r
             return Sample.since(n, start)
 
         async def pingping(n: int) -> Sample:
@@ -227,14 +227,15 @@ class MateBench:
                 return
             out, into = self.buffers.outs[size], self.buffers.intos[size]
             if pattern == "pingpong":
-                # Like rank 0, the receive is posted before the send it answers, so
-                # the next ping always finds a receive waiting.
+                # The answer leaves first, then the receive of the next ping is posted:
+                # that ping cannot come before the answer has arrived.
                 r = recv(into, 0, DATA_TAG)
                 await send(self.ack, 0, CONTROL_TAG)
                 for _ in range(n - 1):
                     await r
+                    s = send(out, 0, DATA_TAG)
                     r = recv(into, 0, DATA_TAG)
-                    await _reply(send, out, submission)
+                    await _sent(s, submission)
                 await r
                 await _reply(send, out, submission)
             elif pattern == "pingping":
@@ -294,6 +295,13 @@ class MateBench:
         await done
         for message in acknowledgements:
             await message
+
+
+async def _sent(message: mate.Message, submission: bool) -> None:
+    if submission:
+        await message.submitted  # type: ignore[misc]
+    else:
+        await message
 
 
 async def _reply(send: Any, out: memoryview, submission: bool) -> None:
@@ -556,8 +564,9 @@ class _Poller:
 
 class FloorBench(_MpiPhases):
     """One rank's side of the floor ping-pong, ping-ping or rate, on a communicator of
-    its own: the pattern mate's runs (in a ping, the receive posted first, the send
-    then the receive awaited), each request awaited through loop callbacks."""
+    its own: the pattern mate's runs, in the same order (a ping or an answer sent
+    before the next receive is posted; in a ping-ping, the receive posted first),
+    each request awaited through loop callbacks."""
 
     def __init__(self, pattern: str, sizes: list[int], window: int = DEFAULT_WINDOW) -> None:
         super().__init__(sizes)
@@ -571,11 +580,13 @@ class FloorBench(_MpiPhases):
         comm, out, into = self.comm, self.buffers.outs[size], self.buffers.intos[size]
         window, acknowledgement = self.window, self.ack
 
+        exchange = _floor_ping if self.pattern == "pingpong" else _floor_exchange
+
         async def timed(n: int) -> Sample:
             self._start(n, size)
             start = clock()
             for _ in range(n):
-                await _floor_exchange(comm, out, into, 1)
+                await exchange(comm, out, into, 1)
             return Sample.since(n, start)
 
         async def rate(n: int) -> Sample:
@@ -598,22 +609,41 @@ class FloorBench(_MpiPhases):
         poller = _Poller(self.MPI)
         while (batch := self._next_batch()) is not None:
             n, out, into = batch
+            if self.pattern == "pingpong":
+                await _floor_answer(comm, n, out, into)
+                continue
             for _ in range(n):
                 if self.pattern == "pingping":  # rank 0's loop, mirrored
                     await _floor_exchange(comm, out, into, 0)
-                elif self.pattern == "rate":
+                else:  # rate
                     receives = [poller.wait(comm.Irecv(into, 0, DATA_TAG))
                                 for _ in range(self.window)]
                     for future in receives:
                         await future
                     await poller.wait(comm.Issend(self.ack, 0, WINDOW_TAG))
-                else:
-                    await await_request(comm.Irecv(into, 0, DATA_TAG))
-                    await await_request(comm.Issend(out, 0, DATA_TAG))
+
+
+async def _floor_ping(comm: Any, out: memoryview, into: memoryview, peer: int) -> None:
+    """Send the ping, post the receive of its answer, await both: mate's ping-pong."""
+    sent = comm.Issend(out, peer, DATA_TAG)
+    incoming = comm.Irecv(into, peer, DATA_TAG)
+    await await_request(sent)
+    await await_request(incoming)
+
+
+async def _floor_answer(comm: Any, n: int, out: memoryview, into: memoryview) -> None:
+    """Rank 1's `n` answers, as mate's: each sent, then the next ping's receive posted."""
+    incoming = comm.Irecv(into, 0, DATA_TAG)
+    for i in range(n):
+        await await_request(incoming)
+        sent = comm.Issend(out, 0, DATA_TAG)
+        if i < n - 1:
+            incoming = comm.Irecv(into, 0, DATA_TAG)
+        await await_request(sent)
 
 
 async def _floor_exchange(comm: Any, out: memoryview, into: memoryview, peer: int) -> None:
-    """Post the receive, await the send, then the receive: mate's ping-pong and ping-ping."""
+    """Post the receive, await the send, then the receive: mate's ping-ping."""
     incoming = comm.Irecv(into, peer, DATA_TAG)
     await await_request(comm.Issend(out, peer, DATA_TAG))
     await await_request(incoming)

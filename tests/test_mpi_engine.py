@@ -447,6 +447,44 @@ def test_a_native_transfers_nudge_renews_its_own_pokes(recorder: Recorder) -> No
     assert poking
 
 
+def test_a_native_rma_origin_nudges_a_target_again_only_when_its_pokes_run_short(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`NativeRma.nudge`: a target nudged for a native put or get pokes for that
+    operation's hold from then on, so the origin nudges it again only once less than
+    half the next operation's hold is left of it; peers apart, none once shut down."""
+    import types
+
+    from mate.transports.mpi import rma_native
+
+    now = [100.0]
+    monkeypatch.setattr(rma_native, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    sent: list[tuple[int, int]] = []
+    rma = types.SimpleNamespace(
+        engine=types.SimpleNamespace(nudge=lambda peer, nbytes, one_sided: sent.append(
+            (peer, nbytes))), poking={})
+    small, large = progress.TRANSFER_SIZE, 4 << 20
+    hold = progress.transfer_hold(small)
+
+    def nudge(peer: int, nbytes: int, at: float) -> None:
+        now[0] = 100.0 + at
+        rma_native.NativeRma.nudge(rma, peer, nbytes)  # type: ignore[arg-type]
+
+    nudge(1, small, 0.0)
+    nudge(1, small, hold / 2 - 1e-6)  # pokes for more than half a hold still
+    assert sent == [(1, small)]
+    nudge(2, small, hold / 2 - 1e-6)  # another target: nudged on its own account
+    nudge(1, small, hold / 2 + 1e-6)  # less than half a hold left: nudged again
+    assert sent == [(1, small), (2, small), (1, small)]
+    # A larger operation right after: the pokes just asked for are too short for it.
+    nudge(1, large, hold / 2 + 2e-6)
+    assert sent[-1] == (1, large)
+    nudge(1, small, hold)  # pokes for the large one's hold, less what has passed
+    assert len(sent) == 4
+    rma.engine.nudge = None  # the transport shut down: no nudge any more
+    nudge(2, large, 10.0)
+    assert len(sent) == 4
+
+
 # -- a pass that completes a large receive tests again at once --------------------------
 
 

@@ -372,9 +372,9 @@ async def test_a_large_native_put_or_get_tells_its_target_to_poll(fabric: Fabric
     """A passive target sees no sign of a native put or get, yet MPICH moves a large one
     only inside the target's MPI calls: the origin nudges the target as it issues an
     operation of TRANSFER_SIZE bytes or more, never for a smaller one, and not again
-    while its last nudge has the target poking still (half the hold of that nudge's
-    operation). (One still under way SPIN later nudges again, late: a loaded host may
-    take that long.)"""
+    while its last nudge has the target poking for half the operation's hold still
+    (`test_mpi_engine.py` checks the rule on its own). (One still under way SPIN
+    later nudges again, late: a loaded host may take that long.)"""
     from mate.transports.mpi.progress import TRANSFER_SIZE, transfer_hold
 
     async def program(world: mate.World) -> None:

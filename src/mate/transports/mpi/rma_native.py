@@ -56,7 +56,7 @@ class NativeRma(Rma):
         self.to_flush: dict[int, list[Operation]] = {}  # puts locally complete, not yet flushed
         self.acks: dict[int, tuple[set[int], asyncio.Future[None]]] = {}
         self.issued = 0  # Rput/Rget requests not yet complete
-        self.nudged_until: dict[int, float] = {}  # peer -> when to nudge it again (`nudge`)
+        self.poking: dict[int, float] = {}  # peer -> until when our last nudge has it poke
         # MPICH moves an RMA operation along only inside MPI calls, at the origin
         # and at the target (passive target): neither may back off meanwhile.
         engine.hot = lambda: bool(self.issued or (self.readers and self.regions.entries))
@@ -101,21 +101,21 @@ class NativeRma(Rma):
 
     def nudge(self, peer: int, nbytes: int) -> None:
         """Tell `peer` of a large operation on its memory, unless a nudge sent lately
-        still has it poking.
+        has it poking for half this operation's hold still.
 
         A passive target sees no sign of the operation, yet MPICH moves it only inside
         the target's MPI calls: a nudge makes the target poke between passes for as
         long as the operation's posting holds this rank's backoff (`transfer_hold`),
-        from the time it takes the nudge in (progress.py). Within half that time of
-        the last nudge the target is poking still, so another would only cost both
+        from the time it takes the nudge in (progress.py), so the target pokes at
+        least until `poking[peer]`. Another nudge before then would only cost both
         ends a control message: with a nudge per operation, native 64 KiB puts and
         gets took 39-61 us in poll mode against 25-34 us without
         (bench/results/nudge-window-2026-11-29.txt). An operation that has not
         crossed SPIN after its posting nudges again all the same (a late nudge).
         """
-        nudge, now = self.engine.nudge, time.monotonic()
-        if nudge is not None and now >= self.nudged_until.get(peer, 0.0):  # None: shut down
-            self.nudged_until[peer] = now + transfer_hold(nbytes) / 2
+        nudge, now, hold = self.engine.nudge, time.monotonic(), transfer_hold(nbytes)
+        if nudge is not None and self.poking.get(peer, 0.0) < now + hold / 2:  # None: shut down
+            self.poking[peer] = now + hold
             nudge(peer, nbytes, True)
 
     def local_done(self, op: Operation, error: MPI.Exception | None) -> None:

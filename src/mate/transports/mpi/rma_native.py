@@ -56,7 +56,7 @@ class NativeRma(Rma):
         self.to_flush: dict[int, list[Operation]] = {}  # puts locally complete, not yet flushed
         self.acks: dict[int, tuple[set[int], asyncio.Future[None]]] = {}
         self.issued = 0  # Rput/Rget requests not yet complete
-        self.poking: dict[int, float] = {}  # peer -> until when our last nudge has it poke
+        self.poking: dict[int, float] = {}  # peer -> until when our last nudge has it poking
         # MPICH moves an RMA operation along only inside MPI calls, at the origin
         # and at the target (passive target): neither may back off meanwhile.
         engine.hot = lambda: bool(self.issued or (self.readers and self.regions.entries))
@@ -107,11 +107,12 @@ class NativeRma(Rma):
         the target's MPI calls: a nudge makes the target poke between passes for as
         long as the operation's posting holds this rank's backoff (`transfer_hold`),
         from the time it takes the nudge in (progress.py), so the target pokes at
-        least until `poking[peer]`. Another nudge before then would only cost both
-        ends a control message: with a nudge per operation, native 64 KiB puts and
-        gets took 39-61 us in poll mode against 25-34 us without
-        (bench/results/nudge-window-2026-11-29.txt). An operation that has not
-        crossed SPIN after its posting nudges again all the same (a late nudge).
+        least until `poking[peer]`. While that covers half this operation's hold,
+        another nudge would only cost both ends a control message: with a nudge per
+        operation, native 64 KiB puts and gets took 39-61 us in poll mode against
+        25-34 us without (bench/results/nudge-window-2026-11-29.txt). An operation
+        that has not crossed SPIN after its posting nudges again all the same (a
+        late nudge).
         """
         nudge, now, hold = self.engine.nudge, time.monotonic(), transfer_hold(nbytes)
         if nudge is not None and self.poking.get(peer, 0.0) < now + hold / 2:  # None: shut down

@@ -764,3 +764,42 @@ def test_tcp_measured_in_the_same_run_on_two_ranks(tmp_path: Path, transport: st
     for row in obj["rows"]:
         assert row["tcp_latency_us"] > 0
         assert row["tcp_ratio"] == pytest.approx(row["latency_us"] / row["tcp_latency_us"])
+
+
+# -- the standard set's summary (bench/run_standard.py) ------------------------------------
+
+
+def _run_standard() -> Any:
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "bench" / "run_standard.py"
+    spec = importlib.util.spec_from_file_location("run_standard", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["run_standard"] = module  # its dataclasses need their module registered
+    spec.loader.exec_module(module)
+    return module
+
+
+def _put_run(mate_mbps: float, raw_mbps: float) -> dict[str, Any]:
+    size = 4 * 1024 * 1024
+    return {"rows": [{"size": size, "bandwidth_MBps": mate_mbps,
+                      "baseline_bandwidth_MBps": raw_mbps,
+                      "baseline_latency_us": size / raw_mbps}]}
+
+
+def test_a_thread_mode_put_is_held_to_the_faster_raw_of_its_run_and_the_poll_run() -> None:
+    """A thread-mode put's own raw runs beside mate's progress threads; the summary
+    takes the poll-mode run's raw where that is faster, and says so."""
+    rs = _run_standard()
+    slowed = {"put-poll-native": _put_run(5000, 6000), "put-thread-native": _put_run(5000, 2500)}
+    (poll, thread) = rs.bandwidth_targets(slowed)
+    assert poll.startswith("- mpi put poll native") and "0.83x" in poll and "NOT met" in poll
+    assert "0.83x (against the poll-mode run's raw, 6000 MB/s; this run's: 2500)" in thread
+    assert thread.endswith("NOT met")
+    # Its own raw, where that is the faster, or where no poll-mode run is there.
+    fair = {"put-poll-native": _put_run(5000, 4000), "put-thread-native": _put_run(5000, 5200)}
+    assert rs.bandwidth_targets(fair)[1].endswith(": 0.96x → met")
+    alone = {"put-thread-native": _put_run(5000, 2500)}
+    assert rs.bandwidth_targets(alone) == [
+        "- mpi put thread native, 4 MiB bandwidth ≥ 0.95x raw: 2.00x → met"]

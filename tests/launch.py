@@ -5,12 +5,14 @@ MODULE`` with the transport and its options in the environment (see
 conftest.py); each rank runs the same tests against its own world.
 `run_under_mate_run` does the same for the ibverbs transport under
 ``mate-run -n N --transport ibverbs``. The result holds every rank's output,
-so that a failure on any rank is shown whole.
+so that a failure on any rank is shown whole. `load_script(path)` imports an
+example or a bench script that is no package's module.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -18,12 +20,23 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from mate.run import find_mpiexec
 
 TESTS = Path(__file__).parent
+
+
+def load_script(path: Path) -> ModuleType:
+    """Import the script at `path` as the module named after its file."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # its dataclasses and attrs classes look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_under_mpiexec(module: str, nranks: int, options: dict[str, object],

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launch import run_bounded
+from launch import load_script, run_bounded
 
 from mate.bench import cli, driver, stats
 from mate.bench.measure import Measurement, Sample, measure
@@ -770,15 +770,7 @@ def test_tcp_measured_in_the_same_run_on_two_ranks(tmp_path: Path, transport: st
 
 
 def _run_standard() -> Any:
-    import importlib.util
-
-    path = Path(__file__).parent.parent / "bench" / "run_standard.py"
-    spec = importlib.util.spec_from_file_location("run_standard", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["run_standard"] = module  # its dataclasses need their module registered
-    spec.loader.exec_module(module)
-    return module
+    return load_script(Path(__file__).parent.parent / "bench" / "run_standard.py")
 
 
 def _put_run(mate_mbps: float, raw_mbps: float) -> dict[str, Any]:

@@ -4,7 +4,6 @@ can fail."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from collections.abc import Callable
@@ -14,7 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import LAUNCHED
-from launch import run_bounded
+from launch import load_script, run_bounded
 
 pytestmark = pytest.mark.skipif(LAUNCHED is not None, reason="this is the launcher")
 
@@ -27,12 +26,7 @@ SUMMARY = re.compile(r"order manager: (\d+) orders = (\d+) acknowledged \+ (\d+)
 
 
 def load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("order_manager", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["order_manager"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def run(command: list[str], timeout: float = 120) -> tuple[int, list[str]]:

@@ -14,13 +14,12 @@ import itertools
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import attrs
 import pytest
 from conftest import LAUNCHED
-from launch import run_bounded
+from launch import load_script, run_bounded
 
 import mate
 import mate.spmd
@@ -32,16 +31,7 @@ ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "examples" / "work_stealing.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("work_stealing", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["work_stealing"] = module  # attrs classes need their module registered
-    spec.loader.exec_module(module)
-    return module
-
-
-ws = _load()
+ws = load_script(SCRIPT)
 
 
 def config(**changes: Any) -> Any:

@@ -447,37 +447,11 @@ def test_a_native_transfers_nudge_renews_its_own_pokes(recorder: Recorder) -> No
     assert poking
 
 
-def test_a_nudge_for_a_native_operation_has_its_target_serve_for_serve(
-        recorder: Recorder) -> None:
-    """A passive target sees no sign of a peer's native put or get, yet MPICH moves one
-    of any size only inside the target's MPI calls: a nudge for one keeps the target
-    from backing off for SERVE, even with nothing of its own outstanding, with no
-    pokes for a small one; then it backs off again (it used to spin for good)."""
-    engine = recorder.engine
-    recorder.receive(1000, standing=True)  # the transport's own: never completes here
-    engine.backoff.idle()  # stamps the time of that move ...
-    engine.backoff.last_progress -= 1.0  # ... which was a second ago: backing off
-    assert not engine.busy() and engine.backoff.pause() > 0
-    engine.nudged(0, 8, False)  # a small two-sided message's (none is sent): nothing
-    assert not engine.busy()
-    nudged = time.monotonic()
-    engine.nudged(0, 8, True)
-    serving = engine.busy(), engine.backoff.pause(), engine.poking()
-    checked = time.monotonic()
-    while time.monotonic() < nudged + progress.SERVE * 1.5:
-        pass
-    if checked < nudged + progress.SERVE:  # else the host stalled this thread that long
-        assert serving == (True, 0.0, False)
-    assert not engine.busy() and engine.backoff.pause() > 0
-
-
-def test_a_native_rma_origin_nudges_a_target_again_only_when_it_runs_short(
+def test_a_native_rma_origin_nudges_a_target_again_only_when_its_pokes_run_short(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """`NativeRma.nudge`: a target nudged for a native put or get serves for SERVE
-    from then on, and for a large one also pokes for that operation's hold; so the
-    origin nudges it again only once less than half of SERVE is left, or, for a
-    large operation, less than half its hold of the pokes; peers apart, none once
-    shut down."""
+    """`NativeRma.nudge`: a target nudged for a native put or get pokes for that
+    operation's hold from then on, so the origin nudges it again only once less than
+    half the next operation's hold is left of it; peers apart, none once shut down."""
     import types
 
     from mate.transports.mpi import rma_native
@@ -487,36 +461,28 @@ def test_a_native_rma_origin_nudges_a_target_again_only_when_it_runs_short(
     sent: list[tuple[int, int]] = []
     rma = types.SimpleNamespace(
         engine=types.SimpleNamespace(nudge=lambda peer, nbytes, one_sided: sent.append(
-            (peer, nbytes))), serving={}, poking={})
-    tiny, small, large = 8, progress.TRANSFER_SIZE, 4 << 20
-    serve, hold = progress.SERVE, progress.transfer_hold(small)
+            (peer, nbytes))), poking={})
+    small, large = progress.TRANSFER_SIZE, 4 << 20
+    hold = progress.transfer_hold(small)
 
     def nudge(peer: int, nbytes: int, at: float) -> None:
         now[0] = 100.0 + at
         rma_native.NativeRma.nudge(rma, peer, nbytes)  # type: ignore[arg-type]
 
-    nudge(1, tiny, 0.0)  # any size: the target must serve
-    nudge(1, tiny, serve / 2 - 1e-6)  # serves for more than half of SERVE still
-    assert sent == [(1, tiny)]
-    nudge(1, small, serve / 2)  # large: its pokes were never asked for
-    assert sent[-1] == (1, small)
-    t = serve / 2
-    nudge(1, small, t + hold / 2 - 1e-6)  # pokes for more than half a hold still
-    nudge(2, tiny, t + hold / 2 - 1e-6)  # another target: nudged on its own account
-    nudge(1, small, t + hold / 2 + 1e-6)  # less than half a hold left: nudged again
-    assert sent == [(1, tiny), (1, small), (2, tiny), (1, small)]
-    t += hold / 2 + 1e-6
+    nudge(1, small, 0.0)
+    nudge(1, small, hold / 2 - 1e-6)  # pokes for more than half a hold still
+    assert sent == [(1, small)]
+    nudge(2, small, hold / 2 - 1e-6)  # another target: nudged on its own account
+    nudge(1, small, hold / 2 + 1e-6)  # less than half a hold left: nudged again
+    assert sent == [(1, small), (2, small), (1, small)]
     # A larger operation right after: the pokes just asked for are too short for it.
-    nudge(1, large, t + 1e-6)
+    nudge(1, large, hold / 2 + 2e-6)
     assert sent[-1] == (1, large)
-    nudge(1, small, t + hold)  # pokes for the large one's hold, less what has passed
-    nudge(1, tiny, t + serve / 2 - 1e-6)  # and serves
-    assert len(sent) == 5
-    nudge(1, tiny, t + serve / 2 + 2e-6)  # serving runs short: nudged again
-    assert sent[-1] == (1, tiny) and len(sent) == 6
+    nudge(1, small, hold)  # pokes for the large one's hold, less what has passed
+    assert len(sent) == 4
     rma.engine.nudge = None  # the transport shut down: no nudge any more
     nudge(2, large, 10.0)
-    assert len(sent) == 6
+    assert len(sent) == 4
 
 
 # -- a pass that completes a large receive tests again at once --------------------------

@@ -19,9 +19,8 @@ each a small strategy of its own sharing one `Backoff`:
   timers of growing delay (up to `MAX_BACKOFF`, and `LONG_IDLE_BACKOFF` once
   nothing moved for `LONG_IDLE`), and with only the transport's own standing
   receives left it polls every `IDLE_INTERVAL`, so that an idle rank does not
-  spin but still serves peers' one-sided requests. A rank with native RMA
-  operations of its own in flight (`Engine.hot`), or *serving* peers' (told
-  so by their nudges, for `SERVE` after each), does not back off.
+  spin but still serves peers' one-sided requests. A rank whose exposed memory
+  peers use through native RMA is *hot* and never backs off (see `Engine.hot`).
 * `ThreadProgress` (``thread``): a progress thread (MPI_THREAD_MULTIPLE) runs
   the passes, with the same backoff done by sleeping, and sleeps on a
   condition when nothing at all is outstanding. With handlers on the loop, a
@@ -68,17 +67,6 @@ be backing off (`MpiTransport._nudge_if_quiet`). A native put or get is a
 transfer too, but its target has no request of its own to see it by: the
 origin nudges the target as it issues one, unless its last nudge still has
 the target poking (`NativeRma.nudge`).
-
-A native put or get of any size moves only inside its target's MPI calls,
-which a target backing off makes up to `IDLE_INTERVAL` apart. So an origin
-nudges its target whenever its last nudge there is older than half of
-`SERVE`, and a nudged rank *serves*: it does not back off for `SERVE` after
-the nudge. A stream of operations keeps its target serving at the cost of a
-control message per `SERVE / 2`; a rank that peers stopped using backs off
-`SERVE` later (it used to spin for good once a peer had looked its memory
-up: a whole core while it waited); and the first operation after a lull
-waits for the target's next pass, as a two-sided message to an idle rank
-does.
 
 While a native put or get of `TRANSFER_SIZE` or more is under way, at its
 origin and (told by the nudge) at its target, a pass that finds nothing,
@@ -150,7 +138,6 @@ COMPACT_SLACK: Final = 16  # holes a request list may hold beyond as many as its
 TRANSFER_SIZE: Final = 64 * 1024  # a request moving this many bytes or more is a transfer ...
 TRANSFER_RATE: Final = 1e9  # ... which holds the backoff for SPIN + its size at this rate (B/s),
 TRANSFER_RATE_FLOOR: Final = 1e8  # ... and answers its peer's nudges for its size at this rate
-SERVE: Final = 0.02  # a rank nudged for a native put or get does not back off this long
 POKES: Final = 256  # bare progress calls after a pass that found nothing (Engine._poke),
 LOOK_EVERY: Final = 8  # ... looking at the front's requests every this many
 
@@ -282,9 +269,8 @@ class Backoff:
         self._moved = False  # progress since the clock was last read
         self._pause = 0.0
         self._held_until = 0.0  # no backoff before this time (transfers, nudges)
-        self._serve_until = 0.0  # no backoff, even with nothing outstanding (`serve`)
-        # True while this rank's own native RMA operations are in flight: MPICH moves
-        # them only inside MPI calls, so it must not back off.
+        # True while peers may be doing passive-target RMA on this rank: MPICH moves
+        # those operations only inside this rank's MPI calls, so it must not back off.
         self.hot: Callable[[], bool] = lambda: False
 
     def moved(self) -> None:
@@ -297,19 +283,6 @@ class Backoff:
         """Do not back off for `seconds` from `now` (a large message is crossing)."""
         self._held_until = max(self._held_until, now + seconds)
         self._pause = 0.0
-
-    def serve(self, until: float) -> None:
-        """Do not back off until `until`, even with nothing of this rank's outstanding:
-        a peer's native put or get may need this rank's MPI calls (`Engine.nudged`)."""
-        self._serve_until = max(self._serve_until, until)
-        self._pause = 0.0
-
-    def serving(self) -> bool:
-        """Whether `serve` still holds; the clock is read only while it may."""
-        if self._serve_until and _monotonic() < self._serve_until:
-            return True
-        self._serve_until = 0.0
-        return False
 
     def idle(self) -> float:
         """Seconds since the last progress (from the first look after it)."""
@@ -336,7 +309,7 @@ class Backoff:
         """The pause before the next pass while user messages are outstanding."""
         now = _monotonic()
         idle = self._idle(now)
-        if idle < SPIN or self.hot() or now < self._held_until or now < self._serve_until:
+        if idle < SPIN or self.hot() or now < self._held_until:
             return 0.0
         cap = MAX_BACKOFF if idle < LONG_IDLE else LONG_IDLE_BACKOFF
         self._pause = min(cap, max(self._pause * 2, 50e-6))
@@ -466,15 +439,9 @@ class Engine:
             self._transfers[entry] = None
 
     def nudged(self, peer: int, nbytes: int, one_sided: bool) -> None:
-        """`peer` nudged (progress context). For a native put or get of `nbytes` on this
-        rank's memory (`one_sided`): serve for `SERVE`. For a transfer (`TRANSFER_SIZE`
-        or more) that has not crossed yet: hold the backoff, and if it is a native put
-        or get, poke between passes meanwhile (`_poke`); answer soon if this rank has a
-        transfer with `peer`."""
-        if one_sided:
-            self.backoff.serve(_monotonic() + SERVE)
-        if nbytes < TRANSFER_SIZE:
-            return  # a small native operation's: serving is all it needs
+        """`peer` nudged: a transfer of `nbytes` with it has not crossed yet (progress
+        context). Hold the backoff, and if it is a native put or get, poke between
+        passes meanwhile (`_poke`); answer soon if this rank has a transfer with it."""
         now = self._hold(nbytes, one_sided)
         for entry in self._transfers:
             transfer = entry.transfer
@@ -563,10 +530,8 @@ class Engine:
         return len(self._orphans)
 
     def busy(self) -> bool:
-        """Whether passes should follow each other, backing off: user work, hot, or
-        serving a peer's native RMA."""
-        return bool(self.user_outstanding or self._inbox or self.backoff.hot()
-                    or self.backoff.serving())
+        """Whether passes should follow each other, backing off: user work, or hot."""
+        return bool(self.user_outstanding or self._inbox or self.backoff.hot())
 
     def idle_interval(self) -> float | None:
         """With nothing busy: the pause before the next pass, or None for no pass.

@@ -34,7 +34,7 @@ from mate.transports.mpi.control import (
     Table,
     TableRequest,
 )
-from mate.transports.mpi.progress import SERVE, TRANSFER_SIZE, Engine, transfer_hold
+from mate.transports.mpi.progress import TRANSFER_SIZE, Engine, transfer_hold
 from mate.transports.mpi.reports import Reporter
 from mate.transports.mpi.rma import CallOnLoop, Rma, RmaOp
 
@@ -56,14 +56,10 @@ class NativeRma(Rma):
         self.to_flush: dict[int, list[Operation]] = {}  # puts locally complete, not yet flushed
         self.acks: dict[int, tuple[set[int], asyncio.Future[None]]] = {}
         self.issued = 0  # Rput/Rget requests not yet complete
-        # peer -> until when our last nudge has it serving, and (a large operation's
-        # nudge) poking: see `nudge`.
-        self.serving: dict[int, float] = {}
-        self.poking: dict[int, float] = {}
-        # MPICH moves an RMA operation along only inside MPI calls, at the origin and
-        # at the target (passive target): the origin does not back off meanwhile, and
-        # its nudges keep the target from backing off (`nudge`).
-        engine.hot = lambda: bool(self.issued)
+        self.poking: dict[int, float] = {}  # peer -> until when our last nudge has it poking
+        # MPICH moves an RMA operation along only inside MPI calls, at the origin
+        # and at the target (passive target): neither may back off meanwhile.
+        engine.hot = lambda: bool(self.issued or (self.readers and self.regions.entries))
 
     # -- origin side ---------------------------------------------------------------------
 
@@ -87,7 +83,8 @@ class NativeRma(Rma):
             self.refuse(op)
             return
         target = (op.address, n, MPI.BYTE)
-        self.nudge(peer, n)
+        if n >= TRANSFER_SIZE:
+            self.nudge(peer, n)
         try:
             if op.op is Op.PUT:
                 request = self.win.Rput(state.data, peer, target)
@@ -103,31 +100,23 @@ class NativeRma(Rma):
                         owner=op, peer=peer, nbytes=n, one_sided=True)
 
     def nudge(self, peer: int, nbytes: int) -> None:
-        """Tell `peer` of an operation of `nbytes` on its memory, unless a nudge sent
-        lately still covers it.
+        """Tell `peer` of a large operation on its memory, unless a nudge sent lately
+        has it poking for half this operation's hold still.
 
         A passive target sees no sign of the operation, yet MPICH moves it only inside
-        the target's MPI calls. A nudge makes the target serve (not back off) for
-        `SERVE`, and for a large operation also poke between passes for as long as
-        the operation's posting holds this rank's backoff (`transfer_hold`), both from
-        the time it takes the nudge in (progress.py): so the target serves at least
-        until `serving[peer]` and pokes at least until `poking[peer]`. While those
-        cover half of `SERVE` and of this operation's hold, another nudge would only
-        cost both ends a control message: with a nudge per operation, native 64 KiB
-        puts and gets took 39-61 us in poll mode against 25-34 us without
-        (bench/results/nudge-window-2026-11-29.txt). A large operation that has not
-        crossed SPIN after its posting nudges again all the same (a late nudge).
+        the target's MPI calls: a nudge makes the target poke between passes for as
+        long as the operation's posting holds this rank's backoff (`transfer_hold`),
+        from the time it takes the nudge in (progress.py), so the target pokes at
+        least until `poking[peer]`. While that covers half this operation's hold,
+        another nudge would only cost both ends a control message: with a nudge per
+        operation, native 64 KiB puts and gets took 39-61 us in poll mode against
+        25-34 us without (bench/results/nudge-window-2026-11-29.txt). An operation
+        that has not crossed SPIN after its posting nudges again all the same (a
+        late nudge).
         """
-        nudge = self.engine.nudge
-        if nudge is None:
-            return  # shut down
-        now, large = time.monotonic(), nbytes >= TRANSFER_SIZE
-        hold = transfer_hold(nbytes) if large else 0.0
-        if (self.serving.get(peer, 0.0) < now + SERVE / 2
-                or (large and self.poking.get(peer, 0.0) < now + hold / 2)):
-            self.serving[peer] = now + SERVE
-            if large:
-                self.poking[peer] = now + hold
+        nudge, now, hold = self.engine.nudge, time.monotonic(), transfer_hold(nbytes)
+        if nudge is not None and self.poking.get(peer, 0.0) < now + hold / 2:  # None: shut down
+            self.poking[peer] = now + hold
             nudge(peer, nbytes, True)
 
     def local_done(self, op: Operation, error: MPI.Exception | None) -> None:

@@ -769,10 +769,6 @@ def test_tcp_measured_in_the_same_run_on_two_ranks(tmp_path: Path, transport: st
 # -- the standard set's summary (bench/run_standard.py) ------------------------------------
 
 
-def _run_standard() -> Any:
-    return load_script(Path(__file__).parent.parent / "bench" / "run_standard.py")
-
-
 def _put_run(mate_mbps: float, raw_mbps: float) -> dict[str, Any]:
     size = 4 * 1024 * 1024
     return {"rows": [{"size": size, "bandwidth_MBps": mate_mbps,
@@ -783,7 +779,7 @@ def _put_run(mate_mbps: float, raw_mbps: float) -> dict[str, Any]:
 def test_a_thread_mode_put_is_held_to_the_faster_raw_of_its_run_and_the_poll_run() -> None:
     """A thread-mode put's own raw runs beside mate's progress threads; the summary
     takes the poll-mode run's raw where that is faster, and says so."""
-    rs = _run_standard()
+    rs = load_script(Path(__file__).parent.parent / "bench" / "run_standard.py")
     slowed = {"put-poll-native": _put_run(5000, 6000), "put-thread-native": _put_run(5000, 2500)}
     (poll, thread) = rs.bandwidth_targets(slowed)
     assert poll.startswith("- mpi put poll native") and "0.83x" in poll and "NOT met" in poll

@@ -19,14 +19,11 @@ pytestmark = pytest.mark.skipif(LAUNCHED is not None, reason="this is the launch
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "examples" / "order_manager.py"
+om = load_script(SCRIPT)  # the module is only read, never changed: loaded once
 SMALL = ["--orders", "60", "--prices", "200", "--order-timeout", "0.1", "--deadline", "30"]
 FAULTS = ["--drop-acks", "0.1", "--delay-acks", "0.1"]
 SUMMARY = re.compile(r"order manager: (\d+) orders = (\d+) acknowledged \+ (\d+) executed "
                      r"\+ (\d+) cancelled \((\d+) acks dropped, (\d+) delayed; (\d+) timeouts\)")
-
-
-def load() -> ModuleType:
-    return load_script(SCRIPT)
 
 
 def run(command: list[str], timeout: float = 120) -> tuple[int, list[str]]:
@@ -119,7 +116,6 @@ def good_run(om: ModuleType) -> tuple[Any, dict[int, Any]]:
 
 
 def test_verify_accepts_agreeing_ledgers() -> None:
-    om = load()
     book, reports = good_run(om)
     verdict = om.verify(book, reports, [1], 10)
     assert verdict.verified, verdict.problems
@@ -128,7 +124,6 @@ def test_verify_accepts_agreeing_ledgers() -> None:
 
 
 def test_ledger_round_trip() -> None:
-    om = load()
     _, reports = good_run(om)
     report = reports[1]
     report.median_latency_ms = 0.25
@@ -170,9 +165,8 @@ def breakages(om: ModuleType) -> dict[str, Breakage]:
     return {f.__name__: f for f in found}
 
 
-@pytest.mark.parametrize("breakage", list(breakages(load())))
+@pytest.mark.parametrize("breakage", list(breakages(om)))
 def test_verify_rejects(breakage: str) -> None:
-    om = load()
     book, reports = good_run(om)
     breakages(om)[breakage](book, reports)
     verdict = om.verify(book, reports, [1], 10)

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from launch import load_script, run_bounded
 
+import mate
 from mate.bench import cli, driver, stats
 from mate.bench.measure import Measurement, Sample, measure
 from mate.bench.report import (
@@ -429,6 +430,24 @@ def test_progress_bar() -> None:
     bar.clear()
     assert on.getvalue().startswith("\rpingpong [") and "2/4 64K" in on.getvalue()
     assert "\n" not in on.getvalue()
+
+
+async def test_every_side_of_a_comparison_uses_the_ranks_one_set_of_buffers() -> None:
+    """Mate, raw MPI, the floor and TCP send from and receive into the same memory:
+    where a buffer lies moves a 4 MiB transfer by more than the targets' margins
+    (`bench/buffer_placement.py`), which is a cost of neither side."""
+    pytest.importorskip("mpi4py.MPI")
+    opts = driver.Options("put", "mpi", sizes=(8, 4096), baseline=True, floor=True, tcp=True)
+    async with mate.local.worlds(2) as (world, _):
+        bench, raw, floor, tcp = driver.sides(opts, world)
+        assert raw is not None and floor is not None and tcp is not None
+        try:
+            assert raw.buffers is bench.buffers and floor.buffers is bench.buffers
+            assert tcp.outs is bench.buffers.outs
+            assert len(bench.buffers.outs[4096]) == 4096
+        finally:
+            raw.teardown()
+            floor.teardown()
 
 
 # -- one smoke run of the command --------------------------------------------------------------

@@ -6,8 +6,8 @@ With a baseline (raw mpi4py, `mate.bench.patterns.RawBench`) or the floor
 (`FloorBench`) a size is measured on every side in turn: each side calibrates
 its iteration count in a phase of its own, then the sides take turns, one
 repetition each (after an untimed warm-up), so that all of them see the same
-machine state, drifts included. The raw calls run on their own communicator
-and window.
+machine state, drifts included, and on the same buffers. The raw calls run on
+their own communicator and window.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from mate import native, registry
 from mate.bench import stats
 from mate.bench.loopback import TcpBench
 from mate.bench.measure import WARMUP_ITERATIONS, Batch, Measurement, Sample, calibrate
-from mate.bench.patterns import DEFAULT_WINDOW, FloorBench, MateBench, RawBench, divisor
+from mate.bench.patterns import DEFAULT_WINDOW, Buffers, FloorBench, MateBench, RawBench, divisor
 from mate.bench.report import ProgressBar, Result, Row, format_head, show_row
 
 WAIT_SIZE = 8  # the wait pattern ignores --sizes
@@ -109,8 +109,8 @@ def new_result(opts: Options) -> Result:
                   extra=_metadata(opts))
 
 
-def _mate_bench(opts: Options, world: mate.World) -> MateBench:
-    return MateBench(world, opts.pattern, opts.wait, opts.sweep, opts.idle, opts.window,
+def _mate_bench(opts: Options, world: mate.World, buffers: Buffers) -> MateBench:
+    return MateBench(world, opts.pattern, opts.wait, buffers, opts.idle, opts.window,
                      opts.handler_driven)
 
 
@@ -222,11 +222,24 @@ async def run_local(opts: Options) -> Result:
         raise BenchError("--baseline, --floor and --tcp need a launched transport")
     result = new_result(opts)
     async with mate.local.worlds(2) as (w0, w1):
-        lead, serve = _mate_bench(opts, w0), _mate_bench(opts, w1)
+        lead = _mate_bench(opts, w0, Buffers(opts.sweep))
+        serve = _mate_bench(opts, w1, Buffers(opts.sweep))
         await asyncio.gather(lead.setup(), serve.setup())
         await asyncio.gather(_lead(opts, lead, {}, result), _serve(opts, serve, {}))
         await asyncio.gather(lead.teardown(), serve.teardown())
     return result
+
+
+def sides(opts: Options, world: mate.World
+          ) -> tuple[MateBench, RawBench | None, FloorBench | None, TcpBench | None]:
+    """This rank's side of mate and of each comparison asked for, all on one set of
+    buffers (see `Buffers`)."""
+    buffers = Buffers(opts.sweep)
+    return (_mate_bench(opts, world, buffers),
+            RawBench(opts.pattern, opts.wait, buffers, opts.idle, opts.window)
+            if opts.baseline else None,
+            FloorBench(opts.pattern, buffers, opts.window) if opts.floor else None,
+            TcpBench(world, buffers.outs) if opts.tcp else None)
 
 
 async def run_launched(opts: Options) -> Result | None:
@@ -237,11 +250,7 @@ async def run_launched(opts: Options) -> Result | None:
     async with mate.startup(opts.transport, **options) as world:
         if world.numprocs != 2:
             raise BenchError(f"mate-bench runs on exactly 2 ranks, not {world.numprocs}")
-        bench = _mate_bench(opts, world)
-        raw = (RawBench(opts.pattern, opts.wait, opts.sweep, opts.idle, opts.window)
-               if opts.baseline else None)
-        floor = FloorBench(opts.pattern, opts.sweep, opts.window) if opts.floor else None
-        tcp = TcpBench(world, opts.sweep) if opts.tcp else None
+        bench, raw, floor, tcp = sides(opts, world)
         await bench.setup()
         if tcp is not None:
             await tcp.setup()

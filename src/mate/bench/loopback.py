@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 import mate
 from mate.bench.measure import Batch, Sample, clock
@@ -56,9 +56,9 @@ class TcpBench:
     """One rank's side of the TCP ping-pong in a launched mate-bench run (see the
     module's docstring): rank 0 the client, rank 1 the echo server."""
 
-    def __init__(self, world: mate.World, sizes: Sequence[int]) -> None:
+    def __init__(self, world: mate.World, outs: Mapping[int, memoryview]) -> None:
         self.world = world
-        self.out = memoryview(bytearray(b"\x5a" * max(max(sizes), 1)))
+        self.outs = outs  # the rank's send buffer of each size, mate's own (patterns.Buffers)
         self._port = 0
         self._server: asyncio.Server | None = None
         self._ended: asyncio.Queue[None] = asyncio.Queue()  # rank 1: a connection ended
@@ -82,7 +82,7 @@ class TcpBench:
 
     def batch(self, size: int) -> Batch:
         """Rank 0: `n` round trips of `size` bytes, on the phase's connection."""
-        out = self.out[:size]
+        out = self.outs[size]
 
         async def batch(n: int) -> Sample:
             if self._stream is None:

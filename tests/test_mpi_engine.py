@@ -485,6 +485,144 @@ def test_a_native_rma_origin_nudges_a_target_again_only_when_its_pokes_run_short
     assert len(sent) == 4
 
 
+# -- calls for later, and the leases of native RMA built on them --------------------------
+
+
+def test_a_call_for_later_runs_once_in_the_first_pass_after_its_time(recorder: Recorder) -> None:
+    """`Engine.call_later`: not before its time, once, in due order, and one that raises
+    is contained (its owner handed to the error handler) without stopping the others."""
+    engine, ran = recorder.engine, []
+    start = time.monotonic()
+    engine.call_later(0.02, lambda: ran.append("second"))
+    engine.call_later(0.01, lambda: ran.append("first"))
+    engine.call_later(0.01, lambda: 1 / 0, owner="faulty")  # type: ignore[func-returns-value]
+    while time.monotonic() < start + 0.009:
+        engine.test()
+    assert ran == []
+    while time.monotonic() < start + 0.03:
+        engine.test()
+    assert ran == ["first", "second"]
+    assert [type(exc) for exc in recorder.errors] == [ZeroDivisionError]
+    recorder.errors.clear()  # the fixture asserts that nothing else went wrong
+
+
+class _LeaseWorld:
+    """A `NativeRma` cut down to its leases: a fake clock, and what it sends and asks for
+    later recorded instead of done (the methods are `NativeRma`'s own)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import types
+
+        from mate.transports.mpi import rma_native
+
+        self.native = rma_native.NativeRma
+        self.now = 100.0
+        monkeypatch.setattr(rma_native, "time", types.SimpleNamespace(monotonic=lambda: self.now))
+        self.sent: list[tuple[int, bool]] = []
+        self.later: list[tuple[float, Any]] = []
+        self.leases: dict[int, Any] = {}
+        self.lessees: dict[int, float] = {}
+        self._lapse_check_due = False
+        self.engine = types.SimpleNamespace(
+            call_later=lambda delay, fn: self.later.append((self.now + delay, fn)))
+
+    def _send_lease(self, peer: int, held: bool) -> None:
+        self.sent.append((peer, held))
+
+    def _check(self, peer: int) -> None:
+        self.native._check(self, peer)  # type: ignore[arg-type]
+
+    def _lease_told(self, peer: int, held: bool) -> None:
+        self.native._lease_told(self, peer, held)  # type: ignore[arg-type]
+
+    def _drop_lapsed(self) -> None:
+        self.native._drop_lapsed(self)  # type: ignore[arg-type]
+
+    def use(self, peer: int) -> None:
+        self.native._use(self, peer)  # type: ignore[arg-type]
+
+    def used(self, peer: int) -> None:
+        self.native._used(self, peer)  # type: ignore[arg-type]
+
+    def advance(self, seconds: float) -> None:
+        """Let `seconds` pass, running what was asked for meanwhile, in order."""
+        end = self.now + seconds
+        while self.later and min(when for when, _ in self.later) <= end:
+            call = min(self.later, key=lambda c: c[0])
+            self.later.remove(call)
+            self.now = max(self.now, call[0])
+            call[1]()
+        self.now = end
+
+
+def test_a_native_rma_origin_holds_one_lease_per_target_while_it_uses_its_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An origin takes a lease on a target's memory before its first operation there,
+    keeps it while operations are in flight or follow each other within LINGER, lets
+    it go within two LINGERs of the last one's end (a check every LINGER, no clock per
+    operation), and renews one in use every LEASE / 2; each target on its own account."""
+    from mate.transports.mpi.rma_native import LEASE, LINGER
+
+    rma = _LeaseWorld(monkeypatch)
+    rma.use(1)
+    assert rma.sent == [(1, True)]
+    rma.use(1)  # two in flight at once
+    rma.used(1)
+    rma.advance(LINGER * 5)  # one still in flight: held
+    rma.used(1)
+    for _ in range(5):  # a stream, an operation issued and ended every 0.9 LINGER
+        rma.advance(LINGER * 0.9)
+        rma.use(1)
+        rma.used(1)
+    rma.use(2)  # another target
+    rma.used(2)
+    assert rma.sent == [(1, True), (2, True)] and len(rma.later) == 2  # one check each
+    rma.advance(LINGER * 0.99)
+    assert rma.sent == [(1, True), (2, True)]  # used since the last check: held
+    rma.advance(LINGER * 1.02)
+    assert sorted(rma.sent[2:]) == [(1, False), (2, False)] and not rma.leases
+    assert not rma.later
+    rma.use(1)  # after the lull: a new lease
+    assert rma.sent[-1] == (1, True)
+    sent = len(rma.sent)
+    for _ in range(int(LEASE / 2 / (LINGER / 2)) + 4):  # in use for longer than LEASE / 2
+        rma.used(1)
+        rma.advance(LINGER / 2)
+        rma.use(1)
+    assert rma.sent[sent:] == [(1, True)]  # renewed once, never let go meanwhile
+
+
+def test_a_target_serves_while_a_peer_holds_its_lease_until_let_go_or_lapsed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target is hot (`Engine.hot`: no backing off) from a peer's Lease(held=True)
+    until its Lease(held=False), or, if none comes (the holder may have died), until
+    a check every LEASE finds it not renewed for LEASE."""
+    from mate.transports.mpi.control import Lease
+    from mate.transports.mpi.rma_native import LEASE
+
+    rma = _LeaseWorld(monkeypatch)
+
+    def told(peer: int, held: bool) -> None:
+        rma.native.on_control(rma, peer, Lease(held))  # type: ignore[arg-type]
+
+    assert not rma.lessees
+    told(1, True)
+    told(2, True)
+    told(1, False)
+    assert list(rma.lessees) == [2]  # rank 2 holds one still
+    told(2, False)
+    assert not rma.lessees
+    rma.advance(LEASE * 1.1)  # the check asked for by the first lease finds none
+    assert not rma.later
+    told(3, True)
+    rma.advance(LEASE * 0.9)
+    told(3, True)  # renewed
+    rma.advance(LEASE * 0.9)
+    assert list(rma.lessees) == [3]
+    rma.advance(LEASE * 1.2)  # not renewed for LEASE by the check after: lapsed
+    assert not rma.lessees and not rma.later
+
+
 # -- a pass that completes a large receive tests again at once --------------------------
 
 

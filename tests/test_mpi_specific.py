@@ -421,6 +421,94 @@ async def test_a_large_native_put_or_get_tells_its_target_to_poll(fabric: Fabric
         await group.run(program)
 
 
+async def exchange_address(world: mate.World, region: mate.Region | None) -> int:
+    """Rank 1 tells rank 0 where `region` (its own) is; rank 0's answer, 0 elsewhere."""
+    raw = bytearray(8)
+    if region is not None:
+        await world.send(region.address.to_bytes(8, "little"), 0, tag=5)
+    elif world.mypid == 0:
+        await world.recv(raw, 1, tag=5)
+    await barrier(world)
+    return int.from_bytes(raw, "little")
+
+
+async def idle_for(world: mate.World, seconds: float) -> None:
+    """Let `seconds` pass with passes running in every mode (manual mode's by hand)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        world.progress()
+        await asyncio.sleep(0.001)
+
+
+async def test_a_rank_whose_memory_peers_stopped_using_lets_its_core_rest(
+        fabric: Fabric) -> None:
+    """A target does not back off while a peer holds a lease on its memory (MPICH moves
+    a native put or get only inside the target's MPI calls), and the peer lets the
+    lease go LINGER after its last operation there: waiting half a second after a
+    peer's put costs the target a small share of a core, not all of it (it used to
+    poll for good once a peer had looked its memory up, in every progress mode)."""
+    async def program(world: mate.World) -> None:
+        region = world.expose(bytearray(64)) if world.mypid == 1 else None
+        base = await exchange_address(world, region)
+        before = world.stats()
+        if world.mypid == 0:
+            await world.put(b"12345678", 1, base)
+            await idle_for(world, 0.5)
+            await world.send(b"", 1, tag=6)
+            stats = world.stats()
+            assert (stats["rma_leases_taken"] - before["rma_leases_taken"],
+                    stats["rma_leases_released"] - before["rma_leases_released"]) == (1, 1)
+        elif region is not None:
+            cpu, start = time.process_time(), time.monotonic()
+            await world.recv(bytearray(0), 0, tag=6, timeout=10)
+            share = (time.process_time() - cpu) / (time.monotonic() - start)
+            assert world.stats()["rma_lessees"] == 0
+            assert share < 0.4, f"{share:.0%} of a core while waiting"
+        await barrier(world)
+        if region is not None:
+            await world.unexpose(region)
+
+    async with fabric.open(rma="auto") as group:
+        await group.run(program)
+
+
+async def test_a_stream_of_native_operations_takes_one_lease_and_a_lull_ends_it(
+        fabric: Fabric) -> None:
+    """Operations that follow each other closer than LINGER share one lease on their
+    target's memory; one after a lull takes a new lease (see rma_native, leases)."""
+    from mate.transports.mpi.rma_native import LINGER
+
+    async def program(world: mate.World) -> None:
+        region = world.expose(bytearray(4096)) if world.mypid == 1 else None
+        base = await exchange_address(world, region)
+        if world.mypid == 0:
+            before = world.stats()
+
+            def leases() -> tuple[int, int]:
+                stats = world.stats()
+                return (stats["rma_leases_taken"] - before["rma_leases_taken"],
+                        stats["rma_leases_released"] - before["rma_leases_released"])
+
+            back = bytearray(8)
+            for i in range(50):
+                await world.put(i.to_bytes(8, "little"), 1, base + 8 * i)
+                await world.get(back, 1, base + 8 * i)
+                assert int.from_bytes(back, "little") == i
+            if leases() != (1, 0):  # else this rank lost its core for LINGER meanwhile
+                assert leases()[0] > 1
+            await idle_for(world, 20 * LINGER)
+            assert leases()[0] == leases()[1]  # let go
+            taken = leases()[0]
+            await world.put(b"12345678", 1, base)
+            assert leases()[0] == taken + 1
+        await barrier(world)
+        if region is not None:
+            await world.unexpose(region)
+
+    async with fabric.open(rma="native") as group:
+        await group.run(program)
+
+
 async def test_an_answer_left_by_a_closed_world_never_reaches_the_next(fabric: Fabric) -> None:
     """Found with rma="auto" (issue 11): MPICH gives a freed communicator's context
     id to the next one, so an answer that arrived after its asker shut down (a put's

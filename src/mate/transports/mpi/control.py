@@ -183,8 +183,18 @@ class Nudge(_Fixed):
     one_sided: bool
 
 
+@attrs.frozen
+class Lease(_Fixed):
+    """Origin -> target (native RMA): I use your memory from now on, so do not back off
+    (`held`), or I stopped (not `held`); see `mate.transports.mpi.rma_native`, leases."""
+
+    KIND: ClassVar[int] = 12
+    FORMAT: ClassVar[struct.Struct] = struct.Struct("<B?")
+    held: bool
+
+
 Control = (TableRequest | Table | Revoke | RevokeAck | Get | GetRefused | Put | PutRequest
-           | Reply | Abandon | Nudge)
+           | Reply | Abandon | Nudge | Lease)
 
 
 def decode(data: memoryview) -> Control:
@@ -198,7 +208,7 @@ def decode(data: memoryview) -> Control:
         _, reply_tag, address = Put.FORMAT.unpack_from(data)
         return Put(reply_tag, address, bytes(data[Put.FORMAT.size:]))
     fixed: tuple[type[_Fixed], ...] = (TableRequest, Revoke, RevokeAck, Get, GetRefused,
-                                        PutRequest, Abandon, Nudge)
+                                        PutRequest, Abandon, Nudge, Lease)
     for cls in fixed:
         if kind == cls.KIND:
             return cls(*cls.FORMAT.unpack_from(data)[1:])  # type: ignore[return-value]

@@ -19,8 +19,10 @@ each a small strategy of its own sharing one `Backoff`:
   timers of growing delay (up to `MAX_BACKOFF`, and `LONG_IDLE_BACKOFF` once
   nothing moved for `LONG_IDLE`), and with only the transport's own standing
   receives left it polls every `IDLE_INTERVAL`, so that an idle rank does not
-  spin but still serves peers' one-sided requests. A rank whose exposed memory
-  peers use through native RMA is *hot* and never backs off (see `Engine.hot`).
+  spin but still serves peers' one-sided requests. A rank with native RMA
+  operations in flight, or whose memory a peer holds a lease on (the peer's
+  operations move only inside this rank's MPI calls: rma_native.py, leases),
+  is *hot* and does not back off (see `Engine.hot`).
 * `ThreadProgress` (``thread``): a progress thread (MPI_THREAD_MULTIPLE) runs
   the passes, with the same backoff done by sleeping, and sleeps on a
   condition when nothing at all is outstanding. With handlers on the loop, a
@@ -269,8 +271,8 @@ class Backoff:
         self._moved = False  # progress since the clock was last read
         self._pause = 0.0
         self._held_until = 0.0  # no backoff before this time (transfers, nudges)
-        # True while peers may be doing passive-target RMA on this rank: MPICH moves
-        # those operations only inside this rank's MPI calls, so it must not back off.
+        # True while native RMA needs this rank's MPI calls (its own operations, or a
+        # peer's on its memory): MPICH moves them only inside MPI calls, at both ends.
         self.hot: Callable[[], bool] = lambda: False
 
     def moved(self) -> None:
@@ -348,6 +350,9 @@ class Engine:
         # Work handed to the progress context: (function, args, owner).
         self._inbox: list[tuple[Callable[..., None], tuple[Any, ...], Any]] = []
         self._after_pass: list[tuple[Callable[[], None], Any]] = []
+        # Calls for a later pass (`call_later`): (when, function, owner), the soonest first due.
+        self._later: list[tuple[float, Callable[[], None], Any]] = []
+        self._later_due = math.inf
         # The outstanding requests that are transfers (a dict: dropped in O(1) as they
         # complete), and the soonest time one of them nudges (maybe one already gone).
         self._transfers: dict[Entry, None] = {}
@@ -521,6 +526,14 @@ class Engine:
         """Run `fn()` at the end of the next pass (progress context only)."""
         self._after_pass.append((fn, owner))
 
+    def call_later(self, delay: float, fn: Callable[[], None], *, owner: Any = None) -> None:
+        """Run `fn()` in the first pass `delay` seconds or more from now (progress context
+        only). Passes come at least every `IDLE_INTERVAL` while the transport's standing
+        receives are posted, and only when driven by hand in manual mode."""
+        when = _monotonic() + delay
+        self._later.append((when, fn, owner))
+        self._later_due = min(self._later_due, when)
+
     @property
     def user_outstanding(self) -> int:
         return len(self._live)
@@ -593,6 +606,8 @@ class Engine:
             now = _monotonic()
             if now >= self._nudge_due:
                 self._nudge_transfers(now)
+        if self._later and _monotonic() >= self._later_due:
+            self._run_later()
         if self._after_pass:
             hooks, self._after_pass = self._after_pass, []
             for fn, owner in hooks:
@@ -601,6 +616,15 @@ class Engine:
         if moved:
             self.backoff.moved()
         return moved
+
+    def _run_later(self) -> None:
+        now = _monotonic()
+        due = [call for call in self._later if call[0] <= now]
+        waiting = [call for call in self._later if call[0] > now]
+        self._later = waiting
+        self._later_due = min((call[0] for call in waiting), default=math.inf)
+        for _, fn, owner in due:
+            self._guarded(owner, fn)
 
     def _poke(self) -> None:
         """Run MPI's progress up to `POKES` times, until a request of the front completes.

@@ -30,14 +30,21 @@ from mpi4py import MPI
 
 from mate.schedule import Region
 from mate.transports.base import Operation
-from mate.transports.mpi.control import Control, ControlChannel, Revoke, RevokeAck, TableRequest
+from mate.transports.mpi.control import (
+    Control,
+    ControlChannel,
+    Lease,
+    Revoke,
+    RevokeAck,
+    TableRequest,
+)
 from mate.transports.mpi.progress import Engine
 from mate.transports.mpi.reports import Reporter
 from mate.transports.mpi.rma import CallOnLoop, Rma
 from mate.transports.mpi.rma_emulated import EmulatedRma
 from mate.transports.mpi.rma_native import NativeRma
 
-_NATIVE_CONTROL = (TableRequest, Revoke, RevokeAck)
+_NATIVE_CONTROL = (TableRequest, Revoke, RevokeAck, Lease)
 
 
 class AutoRma(Rma):

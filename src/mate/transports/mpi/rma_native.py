@@ -13,12 +13,35 @@ Unexposing revokes the region: the target sends `Revoke` to every peer that
 fetched its table; a peer drops the table, flushes what it has in flight to
 the target, and answers `RevokeAck`; then the target detaches. Tables carry
 an epoch so that a reply overtaken by a revoke is recognised as stale.
+
+Leases. MPICH moves a passive-target operation of any size only inside the
+target's MPI calls (even an 8 B `Rput` completes locally only once the target
+has called MPI: 0.18 ms against a target that called every 0.1 ms, and a
+4 MiB one took 0.1 s), and the target sees no sign of it. So an origin
+*leases* a target's memory: before its first operation there it sends
+`Lease(held=True)`, which reaches the target ahead of the operation's data,
+and a rank that a peer holds a lease from does not back off (`Engine.hot`).
+The origin lets go (`Lease(held=False)`) once its check every `LINGER` finds
+nothing in flight there and nothing issued or ended since the check before.
+A stream of operations costs two control messages; the first operation after
+a lull waits for the target's next pass, as a two-sided message to an idle
+rank does; and a rank whose memory nobody uses backs off as any rank does (it
+used to poll for good once a peer had looked its table up: a whole core while
+it waited, bench/rma_lull.py). A lease ends by its holder's word, not by a
+clock at the target: a message sent to renew one would wait in MPI's queue
+behind the operations' own data, which a target that had begun to back off
+moves a fragment per pass, and a target that served for a time after each
+nudge let 4 MiB puts fall to 5-159 MB/s beside a busy process
+(bench/results/rma-serve-2026-11-29.txt). Only a lease not renewed for
+`LEASE` lapses (its holder may have died), at the target's check every
+`LEASE`; a holder in use renews it every `LEASE / 2`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Final
 
 from mpi4py import MPI
 
@@ -29,14 +52,29 @@ from mate.transports.base import Operation
 from mate.transports.mpi.control import (
     Control,
     ControlChannel,
+    Lease,
     Revoke,
     RevokeAck,
     Table,
     TableRequest,
 )
-from mate.transports.mpi.progress import TRANSFER_SIZE, Engine, transfer_hold
+from mate.transports.mpi.progress import SPIN, TRANSFER_SIZE, Engine, transfer_hold
 from mate.transports.mpi.reports import Reporter
 from mate.transports.mpi.rma import CallOnLoop, Rma, RmaOp
+
+LINGER: Final = SPIN  # an origin lets a lease go within 1-2 times this after its last use
+LEASE: Final = 1.0  # a lease its holder has not renewed for this long lapses at the target
+
+
+class _Lease:
+    """A lease this rank holds on a peer's memory (origin side)."""
+
+    __slots__ = ("in_use", "renewed", "used")
+
+    def __init__(self, now: float) -> None:
+        self.renewed = now  # when the last Lease(held=True) went
+        self.in_use = 0  # operations issued to the peer and not ended
+        self.used = True  # an operation was issued or ended since the last check
 
 
 class NativeRma(Rma):
@@ -57,9 +95,14 @@ class NativeRma(Rma):
         self.acks: dict[int, tuple[set[int], asyncio.Future[None]]] = {}
         self.issued = 0  # Rput/Rget requests not yet complete
         self.poking: dict[int, float] = {}  # peer -> until when our last nudge has it poking
-        # MPICH moves an RMA operation along only inside MPI calls, at the origin
-        # and at the target (passive target): neither may back off meanwhile.
-        engine.hot = lambda: bool(self.issued or (self.readers and self.regions.entries))
+        self.leases: dict[int, _Lease] = {}  # held on peers' memory (see the module's docstring)
+        # Peers holding a lease on this rank's memory -> when they last renewed it.
+        self.lessees: dict[int, float] = {}
+        self._lapse_check_due = False  # a check for lapsed leases is asked for
+        self.leases_taken = self.leases_released = 0  # Lease messages sent (world.stats())
+        # MPICH moves an RMA operation along only inside MPI calls, at the origin and at
+        # the target (passive target): neither backs off meanwhile.
+        engine.hot = lambda: bool(self.issued or self.lessees)
 
     # -- origin side ---------------------------------------------------------------------
 
@@ -83,6 +126,7 @@ class NativeRma(Rma):
             self.refuse(op)
             return
         target = (op.address, n, MPI.BYTE)
+        self._use(peer)
         if n >= TRANSFER_SIZE:
             self.nudge(peer, n)
         try:
@@ -91,6 +135,7 @@ class NativeRma(Rma):
             else:
                 request = self.win.Rget(state.data, peer, target)
         except MPI.Exception as exc:
+            self._used(peer)
             self.failed(op, FailureReason.TRANSPORT, f"MPI_R{op.op.value}: {exc}", exc)
             return
         if op.op is Op.PUT and state.copied:
@@ -119,8 +164,75 @@ class NativeRma(Rma):
             self.poking[peer] = now + hold
             nudge(peer, nbytes, True)
 
+    # -- leases (see the module's docstring) ---------------------------------------------
+
+    def _use(self, peer: int) -> None:
+        """An operation on `peer`'s memory is about to be issued: hold a lease there."""
+        lease = self.leases.get(peer)
+        if lease is None:
+            lease = self.leases[peer] = _Lease(time.monotonic())
+            self._send_lease(peer, True)
+            self.engine.call_later(LINGER, lambda: self._check(peer))
+        lease.in_use += 1
+        lease.used = True
+
+    def _used(self, peer: int) -> None:
+        """An operation on `peer`'s memory ended."""
+        lease = self.leases[peer]
+        lease.in_use -= 1
+        lease.used = True
+
+    def _check(self, peer: int) -> None:
+        """Every LINGER while the lease on `peer`'s memory is held: let it go if nothing
+        was issued or ended since the last check and nothing is in flight, else check
+        again later (renewing it once LEASE / 2 old). No clock per operation."""
+        lease = self.leases[peer]
+        if not (lease.in_use or lease.used):
+            del self.leases[peer]
+            self._send_lease(peer, False)
+            return
+        lease.used = False
+        now = time.monotonic()
+        if now - lease.renewed > LEASE / 2:
+            lease.renewed = now
+            self._send_lease(peer, True)
+        self.engine.call_later(LINGER, lambda: self._check(peer))
+
+    def _send_lease(self, peer: int, held: bool) -> None:
+        if self.engine.nudge is None:
+            return  # shut down: nothing more goes to peers (MpiTransport._cancel_everything)
+        if held:
+            self.leases_taken += 1
+        else:
+            self.leases_released += 1
+        self.control.send(peer, Lease(held))
+
+    def _lease_told(self, peer: int, held: bool) -> None:
+        """`peer` took or renewed a lease on this rank's memory, or let it go (target
+        side). Leases not renewed for LEASE are dropped by a check every LEASE."""
+        if not held:
+            self.lessees.pop(peer, None)
+            return
+        self.lessees[peer] = time.monotonic()
+        if not self._lapse_check_due:
+            self._lapse_check_due = True
+            self.engine.call_later(LEASE, self._drop_lapsed)
+
+    def _drop_lapsed(self) -> None:
+        now = time.monotonic()
+        for peer in [peer for peer, renewed in self.lessees.items() if now - renewed >= LEASE]:
+            del self.lessees[peer]
+        self._lapse_check_due = bool(self.lessees)
+        if self.lessees:
+            self.engine.call_later(LEASE, self._drop_lapsed)
+
+    def counters(self) -> dict[str, int]:
+        return {**super().counters(), "rma_leases_taken": self.leases_taken,
+                "rma_leases_released": self.leases_released, "rma_lessees": len(self.lessees)}
+
     def local_done(self, op: Operation, error: MPI.Exception | None) -> None:
         self.issued -= 1
+        self._used(op.peer)
         if error is not None:
             self.failed(op, FailureReason.TRANSPORT, f"MPI_R{op.op.value}: {error}", error)
         elif op.op is Op.GET:
@@ -224,6 +336,8 @@ class NativeRma(Rma):
             self.tables.pop(source, None)
             self.win.Flush(source)  # whatever was issued to `source` has landed
             self.control.send(source, RevokeAck(message.epoch))
+        elif isinstance(message, Lease):
+            self._lease_told(source, message.held)
         elif isinstance(message, RevokeAck):
             pending = self.acks.get(message.epoch)
             if pending is not None:

@@ -14,6 +14,7 @@ marked ✗; a dash is a run the set did not have.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import re
 from collections.abc import Callable
@@ -99,11 +100,14 @@ COLUMNS: list[tuple[str, str, Callable[[Run | None], float | None], Callable[[fl
 
 
 def started(folder: Path) -> str:
-    """The set's start, from the first line of its SUMMARY.md that carries a time."""
+    """When the set began: its SUMMARY.md's time (written at the end) less its length."""
     for line in (folder / "SUMMARY.md").read_text().splitlines():
-        found = re.match(r"(\d{4}-\d\d-\d\d)T(\d\d:\d\d)", line)
+        found = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", line)
         if found:
-            return f"{found[1]} {found[2]}"
+            took = re.search(r"took (\d+) s", line)
+            end = datetime.datetime.fromisoformat(found[1])
+            start = end - datetime.timedelta(seconds=int(took[1]) if took else 0)
+            return start.strftime("%Y-%m-%d %H:%M")
     return folder.name
 
 
@@ -124,7 +128,7 @@ def table(results: Path) -> str:
                                                                          else " ✗"))
         label = "latest (top level)" if folder == results else folder.name
         rows.append(f"| {started(folder)} | {label} | " + " | ".join(cells) + " |")
-    head = "| set | folder | " + " | ".join(column[0] for column in COLUMNS) + " |"
+    head = "| began | folder | " + " | ".join(column[0] for column in COLUMNS) + " |"
     rule = "|---|---|" + "--:|" * len(COLUMNS)
     return "\n".join([head, rule, *rows])
 

@@ -803,3 +803,35 @@ def test_every_put_and_get_is_held_to_the_raw_of_its_own_run() -> None:
     assert rs.bandwidth_targets(runs) == [
         "- mpi put poll native, 4 MiB bandwidth ≥ 0.95x raw: 0.83x → NOT met",
         "- mpi put thread native, 4 MiB bandwidth ≥ 0.95x raw: 0.96x → met"]
+
+def test_the_history_of_sets_computes_every_set_alike_in_the_order_they_ran(
+        tmp_path: Path) -> None:
+    """bench/history.py: one row per set (the top level the latest), oldest first by
+    start (the summary's time less the set's length), each figure from the set's JSON
+    rows, ✗ where it misses its target, a dash where the set lacks the run."""
+    history = load_script(Path(__file__).parent.parent / "bench" / "history.py")
+
+    def write_set(folder: Path, written: str, took: int, mate_4m: float, half: float) -> None:
+        folder.mkdir(exist_ok=True)
+        (folder / "SUMMARY.md").write_text(
+            f"# mate-bench standard set\n\n{written}+00:00, host `vm`; the whole set took "
+            f"{took} s.\n")
+        rows = [{"size": 8, "latency_us": 5.0, "floor_latency_us": 10.0},
+                {"size": 64 * 1024, "bandwidth_MBps": 7.0, "baseline_bandwidth_MBps": 10.0},
+                {"size": 4 * 1024 * 1024, "bandwidth_MBps": mate_4m,
+                 "baseline_bandwidth_MBps": 100.0}]
+        (folder / "pingpong-poll.json").write_text(json.dumps(
+            {"rows": rows, "summary": {"n_half": half * 1024}}))
+
+    write_set(tmp_path, "2026-12-01T10:10:00", 600, 96.0, 60.0)  # the latest
+    write_set(tmp_path / "later-named", "2026-11-30T09:00:00", 60, 90.0, 70.0)
+    write_set(tmp_path / "2026-12-01-0900", "2026-12-01T09:05:00", 300, 99.0, 50.0)
+    lines = history.table(tmp_path).splitlines()
+    assert lines[0].startswith("| began | folder | 8 B /floor |") and len(lines) == 5
+    assert [line.split(" | ")[:2] for line in lines[2:]] == [
+        ["| 2026-11-30 08:59", "later-named"], ["| 2026-12-01 09:00", "2026-12-01-0900"],
+        ["| 2026-12-01 10:00", "latest (top level)"]]
+    cells = lines[2].split(" | ")
+    assert cells[2] == "0.50" and cells[7] == "0.70" and cells[8] == "70.0 ✗"
+    assert cells[9] == "0.90 ✗" and cells[10] == "-"
+    assert lines[4].split(" | ")[9] == "0.96"

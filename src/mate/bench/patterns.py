@@ -75,9 +75,10 @@ class Buffers:
 
     A rank makes one set and every side of a comparison uses it (mate, raw MPI, the
     floor, TCP): where a buffer lies moves a large transfer by more than the targets'
-    margins, for raw MPI alone. Three sets of one run, raw 4 MiB pingpings taking
-    turns, differed by up to 6 % (`bench/buffer_placement.py`), and with a set each,
-    one launch held mate to 0.87x raw and the next to 0.99x.
+    margins, for raw MPI alone (bench/buffer_placement.py: three pairs of buffers in
+    one launch, raw 4 MiB pingpings taking turns, read 0.90-1.04x one another). With
+    a set each, twelve launches of one build read mate's 4 MiB pingping at 0.87-0.99x
+    raw; on one set, six read 0.95-0.97x.
     """
 
     def __init__(self, sizes: list[int]) -> None:

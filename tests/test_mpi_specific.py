@@ -368,6 +368,17 @@ async def test_refused_emulated_gets_posted_in_bursts_all_fail_none_times_out(
         await group.run(program)
 
 
+async def exchange_address(world: mate.World, region: mate.Region | None) -> int:
+    """Rank 1 tells rank 0 where `region` (its own) is; rank 0's answer, 0 elsewhere."""
+    raw = bytearray(8)
+    if region is not None:
+        await world.send(region.address.to_bytes(8, "little"), 0, tag=5)
+    elif world.mypid == 0:
+        await world.recv(raw, 1, tag=5)
+    await barrier(world)
+    return int.from_bytes(raw, "little")
+
+
 async def test_a_large_native_put_or_get_tells_its_target_to_poll(fabric: Fabric) -> None:
     """A passive target sees no sign of a native put or get, yet MPICH moves a large one
     only inside the target's MPI calls: the origin nudges the target as it issues an
@@ -380,12 +391,7 @@ async def test_a_large_native_put_or_get_tells_its_target_to_poll(fabric: Fabric
     async def program(world: mate.World) -> None:
         memory = bytearray(2 * TRANSFER_SIZE)
         region = world.expose(memory) if world.mypid == 1 else None
-        raw = bytearray(8)
-        if region is not None:
-            await world.send(region.address.to_bytes(8, "little"), 0, tag=5)
-        elif world.mypid == 0:
-            await world.recv(raw, 1, tag=5)
-        await barrier(world)
+        base = await exchange_address(world, region)
         before = world.stats()
 
         def on_time_nudges() -> int:
@@ -394,7 +400,6 @@ async def test_a_large_native_put_or_get_tells_its_target_to_poll(fabric: Fabric
                     - (stats["nudges_late"] - before["nudges_late"]))
 
         if world.mypid == 0:
-            base = int.from_bytes(raw, "little")
             data = bytes(i % 253 for i in range(TRANSFER_SIZE))
             await world.put(data[:-1], 1, base)  # one byte short: no nudge
             assert on_time_nudges() == 0
@@ -419,17 +424,6 @@ async def test_a_large_native_put_or_get_tells_its_target_to_poll(fabric: Fabric
 
     async with fabric.open(rma="native") as group:
         await group.run(program)
-
-
-async def exchange_address(world: mate.World, region: mate.Region | None) -> int:
-    """Rank 1 tells rank 0 where `region` (its own) is; rank 0's answer, 0 elsewhere."""
-    raw = bytearray(8)
-    if region is not None:
-        await world.send(region.address.to_bytes(8, "little"), 0, tag=5)
-    elif world.mypid == 0:
-        await world.recv(raw, 1, tag=5)
-    await barrier(world)
-    return int.from_bytes(raw, "little")
 
 
 async def idle_for(world: mate.World, seconds: float) -> None:

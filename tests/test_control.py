@@ -22,6 +22,8 @@ from mate.transports.mpi import control as c
     c.Reply(False),
     c.Nudge(1 << 22, True),
     c.Nudge(1 << 16, False),
+    c.Lease(True),
+    c.Lease(False),
 ])
 def test_every_message_round_trips(message: c.Control) -> None:
     data = message.encode()

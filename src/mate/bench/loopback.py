@@ -58,7 +58,7 @@ class TcpBench:
 
     def __init__(self, world: mate.World, outs: Mapping[int, memoryview]) -> None:
         self.world = world
-        self.outs = outs  # the rank's send buffer of each size, mate's own (patterns.Buffers)
+        self.outs = outs  # the rank's send buffer of each size, every side's (patterns.Buffers)
         self._port = 0
         self._server: asyncio.Server | None = None
         self._ended: asyncio.Queue[None] = asyncio.Queue()  # rank 1: a connection ended

@@ -606,8 +606,10 @@ class Engine:
             now = _monotonic()
             if now >= self._nudge_due:
                 self._nudge_transfers(now)
-        if self._later and _monotonic() >= self._later_due:
-            self._run_later()
+        if self._later:
+            now = _monotonic()
+            if now >= self._later_due:
+                self._run_later(now)
         if self._after_pass:
             hooks, self._after_pass = self._after_pass, []
             for fn, owner in hooks:
@@ -617,12 +619,11 @@ class Engine:
             self.backoff.moved()
         return moved
 
-    def _run_later(self) -> None:
-        now = _monotonic()
+    def _run_later(self, now: float) -> None:
+        """Run the `call_later` calls due by `now` (the pass's look at the clock)."""
         due = [call for call in self._later if call[0] <= now]
-        waiting = [call for call in self._later if call[0] > now]
-        self._later = waiting
-        self._later_due = min((call[0] for call in waiting), default=math.inf)
+        self._later = [call for call in self._later if call[0] > now]
+        self._later_due = min((call[0] for call in self._later), default=math.inf)
         for _, fn, owner in due:
             self._guarded(owner, fn)
 

@@ -406,16 +406,20 @@ async def test_a_large_native_put_or_get_tells_its_target_to_poll(fabric: Fabric
             window = transfer_hold(TRANSFER_SIZE) / 2
             before_put = time.monotonic()
             await world.put(data, 1, base + TRANSFER_SIZE)
-            after_put = time.monotonic()  # the nudge went between the two
             assert on_time_nudges() == 1
             back = bytearray(TRANSFER_SIZE)
             await world.get(back, 1, base + TRANSFER_SIZE)
+            after_get = time.monotonic()
             assert back == data
-            if time.monotonic() < before_put + window:  # the target pokes still: no nudge
-                assert on_time_nudges() == 1
-            await asyncio.sleep(after_put + window - time.monotonic())
-            await world.get(back, 1, base + TRANSFER_SIZE)  # its pokes are over: nudged
-            assert on_time_nudges() == 2
+            sent = on_time_nudges()
+            if after_get < before_put + window:  # the target pokes still: no nudge
+                assert sent == 1
+            else:  # a loaded host: the put, or the get's start, took that long
+                assert sent in (1, 2)
+            # Any nudge so far went before after_get: past its half hold, the next nudges.
+            await asyncio.sleep(after_get + window + 0.001 - time.monotonic())
+            await world.get(back, 1, base + TRANSFER_SIZE)
+            assert on_time_nudges() == sent + 1
         await barrier(world)
         if region is not None:
             assert world.stats()["nudges_received"] - before["nudges_received"] >= 2

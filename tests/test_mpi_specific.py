@@ -637,6 +637,42 @@ async def test_a_shutting_down_rank_nudges_no_peer(fabric: Fabric) -> None:
         await group.run(program)
 
 
+async def test_a_rank_between_its_meetings_sends_no_control_message(fabric: Fabric) -> None:
+    """Once the ranks met the first time at shutdown, every operation has ended and no
+    peer needs a control message; after the second meeting a peer frees its control
+    communicator, and what reaches it then stays queued in MPI for a later
+    communicator given the same context id. So the control channel closes between
+    the meetings: here rank 0's passes send an `Abandon` (for a tag rank 1 never
+    served: it ignores it) in every pass through its shutdown, and those after the
+    close are dropped, none sent."""
+    from mate.transports.mpi.control import FIRST_PRIVATE_TAG, Abandon
+
+    async def program(world: mate.World) -> None:
+        if world.mypid == 1:
+            await asyncio.sleep(0.2)  # rank 0's passes tick at the first meeting meanwhile
+            await world.shutdown()
+            return
+        if world.mypid != 0:
+            await world.shutdown()
+            return
+        transport = world._open()  # type: ignore[attr-defined]
+        engine, control = transport.engine, transport.control
+        ticks = {False: 0, True: 0}  # by whether the channel was closed
+
+        def tick() -> None:  # progress context
+            ticks[control.closed] += 1
+            control.send(1, Abandon(FIRST_PRIVATE_TAG))
+            engine.call_later(0.0, tick)
+
+        engine.call(lambda: engine.call_later(0.0, tick))
+        await world.shutdown()
+        assert ticks[False] >= 1 and ticks[True] >= 1, ticks
+        assert control.dropped == ticks[True]
+
+    async with fabric.open(rma="emulated") as group:
+        await group.run(program)
+
+
 async def send_window(world: mate.World, window: int, ready_tag: int, tag: int) -> None:
     """Rank 0: once rank 1 says its receives are posted, send it `window` one-byte
     messages, numbered, and await them."""

@@ -220,6 +220,13 @@ class ControlChannel:
 
     Requests that arrive on `CONTROL_TAG` go to `on_message(source, message)`,
     in the progress context. Sends and receives are requests of the engine.
+
+    Shutdown closes the channel once every rank has ended its operations (the
+    transport's first meeting), before the last meeting: after that meeting a
+    peer may free its communicators at once, and what reaches a freed one stays
+    queued in MPI, whose context id MPICH gives to a later communicator, where a
+    later world's receive could take it. A closed channel sends nothing (no peer
+    needs its answers, abandons or leases by then) and counts what it dropped.
     """
 
     #: The next private tag, one counter for the whole process: an answer that arrives
@@ -236,6 +243,8 @@ class ControlChannel:
         self._tag_max = tag_max
         self._on_message = on_message
         self._inbox = bytearray(Put.FORMAT.size + CONTROL_EAGER)  # the largest request
+        self.closed = False  # progress context only (`close`)
+        self.dropped = 0  # sends asked for once closed
 
     def start(self) -> None:
         """Post the standing receive for requests."""
@@ -247,14 +256,22 @@ class ControlChannel:
         ControlChannel._next_tag = tag + 1 if tag < self._tag_max else FIRST_PRIVATE_TAG
         return tag
 
+    def close(self) -> None:
+        """Send nothing from now on (shutdown, progress context: see the class)."""
+        self.closed = True
+
     def send(self, dest: int, message: Control, tag: int = CONTROL_TAG) -> None:
         """Send a control message (a request, or an answer on its private tag)."""
         self.send_data(dest, message.encode(), tag, lambda _owner, status, error: None)
 
     def send_data(self, dest: int, data: Any, tag: int, action: Action, *,
-                  owner: Any = None) -> Entry:
+                  owner: Any = None) -> Entry | None:
         """Send `data` to `tag`; run `action` when the send completed. The request keeps
-        `data` alive until then; the returned entry lets the engine `disown` it."""
+        `data` alive until then; the returned entry lets the engine `disown` it. None,
+        and no send and no action, once the channel is closed."""
+        if self.closed:
+            self.dropped += 1
+            return None
         request = self.comm.Isend(data, dest, tag)
         return self._engine.add(request, action, owner=owner, standing=True, peer=dest,
                                 nbytes=len(data))

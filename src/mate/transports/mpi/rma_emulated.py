@@ -184,8 +184,10 @@ class EmulatedRma(Rma):
                 return
             region, view = found
             key = (source, message.reply_tag)
-            self.hold(key, region, self.control.send_data(
-                source, view, message.reply_tag, lambda _owner, status, error: self.served(key)))
+            send = self.control.send_data(source, view, message.reply_tag,
+                                          lambda _owner, status, error: self.served(key))
+            if send is not None:  # None: shutting down, and the origin is too
+                self.hold(key, region, send)
         elif isinstance(message, Put):
             found = self.regions.find(message.address, len(message.data))
             if found is not None:

@@ -350,7 +350,10 @@ class MpiTransport(Transport):
         Freeing the window is collective, so it needs every rank. The ranks meet
         twice, each time with a non-blocking barrier and at most `shutdown_timeout`
         of waiting, serving peers' control requests meanwhile: first to say "I am
-        shutting down", then "I met everyone and will free". A rank that gave up
+        shutting down", then "I met everyone and will free". Between the two, the
+        control channel closes (`ControlChannel`): a peer frees as soon as it leaves
+        the second meeting, and a pass of this rank's could still be sending to it.
+        A rank that gave up
         on the first meeting never joins the second, so no rank frees a window
         that a rank gone away will not free; the objects are then left to
         MPI_Finalize and a warning is logged. Nothing waits on a stopped peer,
@@ -359,7 +362,11 @@ class MpiTransport(Transport):
         from mate.transports.mpi.finalize import finalize_locally
 
         self.engine.call(self._cancel_everything)
-        met = await self._meet() and await self._meet()
+        met = await self._meet()
+        if met:  # every rank has ended its operations: close the control channel first
+            self.engine.call(self.control.close)
+            met = (await self._progress_until(lambda: self.control.closed)
+                   and await self._meet())
         self.engine.stop()
         # Receives can be cancelled whether or not the ranks met: a receive still
         # posted at MPI_Finalize is a request the library never gets back (UCX warns
@@ -384,11 +391,15 @@ class MpiTransport(Transport):
     async def _meet(self) -> bool:
         """A barrier of all ranks, given up after `shutdown_timeout`."""
         barrier = self.control.comm.Ibarrier()  # a collective request cannot be cancelled: if
-        deadline = time.monotonic() + self.shutdown_timeout  # given up, MPI keeps it
+        return await self._progress_until(barrier.Test)  # given up, MPI keeps it
+
+    async def _progress_until(self, done: Callable[[], bool]) -> bool:
+        """Passes run until `done()`, or False after `shutdown_timeout`."""
+        deadline = time.monotonic() + self.shutdown_timeout
         while time.monotonic() < deadline:
             if self.engine.mode != "thread":
                 self.engine.test()
-            if barrier.Test():
+            if done():
                 return True
             await asyncio.sleep(0.0005)
         return False

@@ -43,10 +43,12 @@ async def counting_wake_ups(pause: float = 0.0) -> AsyncIterator[Callable[[], in
         await counter
 
 
-async def fewest_turns(attempt: Callable[[], Awaitable[None]], attempts: int = 3) -> int:
+async def fewest_turns(attempt: Callable[[], Awaitable[None]], attempts: int = 10) -> int:
     """The fewest turns of the event loop that `attempt` took in `attempts` runs. A
     spin is bounded in time, so a host that takes a rank's core away (another job on
-    these 2 cores) makes it give up whatever mate does: one quiet run must show it."""
+    these 2 cores) makes it give up whatever mate does: one quiet run must show it.
+    (Three runs were too few with three busy processes beside the ranks; a run of
+    200 round trips takes some milliseconds.)"""
     fewest = sys.maxsize
     for _ in range(attempts):
         async with counting_wake_ups() as turns:
@@ -751,8 +753,8 @@ async def test_a_ping_pong_awaited_while_passes_spin_needs_few_turns_of_the_loop
     reply that comes meanwhile is awaited with no turn of the loop. Awaited through the
     loop, each of the 200 rounds costs at least two turns on each rank (404 and 800
     counted here; 517 in thread mode); with the spin, 14-24 in most runs, 155 on a busy
-    host, and up to 557 with two busy loops beside the ranks (so the best of three runs
-    counts)."""
+    host, and up to 557 with two busy loops beside the ranks (so the best of several
+    runs counts)."""
     rounds = 200
 
     async def program(world: mate.World) -> None:

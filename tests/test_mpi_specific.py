@@ -611,6 +611,17 @@ async def test_a_message_a_closed_world_left_unreceived_never_reaches_the_next(
         await group.run(receive_nothing)
 
 
+async def leave_rank_0_waiting(world: mate.World) -> bool:
+    """Every rank but 0 shuts down, rank 1 0.2 s late, so that rank 0's shutdown waits
+    at the first meeting meanwhile; True on rank 0, which is left to shut down."""
+    if world.mypid == 0:
+        return True
+    if world.mypid == 1:
+        await asyncio.sleep(0.2)
+    await world.shutdown()
+    return False
+
+
 async def test_a_shutting_down_rank_nudges_no_peer(fabric: Fabric) -> None:
     """Found by the conformance suite and this module run in one process (issue 11):
     a large send that cannot be abandoned stays a transfer through shutdown, and its
@@ -621,12 +632,7 @@ async def test_a_shutting_down_rank_nudges_no_peer(fabric: Fabric) -> None:
     from mate.transports.mpi.progress import TRANSFER_SIZE
 
     async def program(world: mate.World) -> None:
-        if world.mypid == 1:
-            await asyncio.sleep(0.2)  # rank 0 waits at the first meeting meanwhile
-            await world.shutdown()
-            return
-        if world.mypid != 0:
-            await world.shutdown()
+        if not await leave_rank_0_waiting(world):
             return
         transport = world._open()  # type: ignore[attr-defined]
         world.send(bytes(4 * TRANSFER_SIZE), 1, tag=30)  # never received, never abandoned
@@ -650,12 +656,7 @@ async def test_a_rank_between_its_meetings_sends_no_control_message(fabric: Fabr
     from mate.transports.mpi.control import FIRST_PRIVATE_TAG, Abandon
 
     async def program(world: mate.World) -> None:
-        if world.mypid == 1:
-            await asyncio.sleep(0.2)  # rank 0's passes tick at the first meeting meanwhile
-            await world.shutdown()
-            return
-        if world.mypid != 0:
-            await world.shutdown()
+        if not await leave_rank_0_waiting(world):
             return
         transport = world._open()  # type: ignore[attr-defined]
         engine, control = transport.engine, transport.control

@@ -353,11 +353,10 @@ class MpiTransport(Transport):
         shutting down", then "I met everyone and will free". Between the two, the
         control channel closes (`ControlChannel`): a peer frees as soon as it leaves
         the second meeting, and a pass of this rank's could still be sending to it.
-        A rank that gave up
-        on the first meeting never joins the second, so no rank frees a window
-        that a rank gone away will not free; the objects are then left to
-        MPI_Finalize and a warning is logged. Nothing waits on a stopped peer,
-        and MPI_Finalize will not either (see finalize.py).
+        A rank that gave up on the first meeting never joins the second, so no rank
+        frees a window that a rank gone away will not free; the objects are then
+        left to MPI_Finalize and a warning is logged. Nothing waits on a stopped
+        peer, and MPI_Finalize will not either (see finalize.py).
         """
         from mate.transports.mpi.finalize import finalize_locally
 

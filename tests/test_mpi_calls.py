@@ -22,17 +22,21 @@ BUILT = (native._PACKAGE / native.RECORD).exists()
 
 
 class Calls:
-    """One implementation of the three calls."""
+    """One implementation of the calls: the three MPI calls and the status's reads."""
 
-    def __init__(self, issend: Any, irecv: Any, testsome: Any) -> None:
+    def __init__(self, issend: Any, irecv: Any, testsome: Any, cancelled: Any,
+                 received: Any) -> None:
         self.issend, self.irecv, self.testsome = issend, irecv, testsome
+        self.cancelled, self.received = cancelled, received
 
 
-MPI4PY = Calls(MPI.Comm.Issend, MPI.Comm.Irecv, MPI.Request.Testsome)
+MPI4PY = Calls(MPI.Comm.Issend, MPI.Comm.Irecv, MPI.Request.Testsome, MPI.Status.Is_cancelled,
+               calls._received)
 try:
     from mate import _mpi
 
-    FROM_C: Calls | None = Calls(_mpi.issend, _mpi.irecv, _mpi.testsome)
+    FROM_C: Calls | None = Calls(_mpi.issend, _mpi.irecv, _mpi.testsome, _mpi.cancelled,
+                                 _mpi.received)
 except ImportError:  # not built, or MATE_PURE_PYTHON
     FROM_C = None
 IMPLEMENTATIONS = [pytest.param(MPI4PY, id="mpi4py"),
@@ -106,6 +110,37 @@ def test_testsome_fills_the_statuses_in_the_order_of_its_indices(do: Calls, comm
     MPI.Request.Waitall(sends)
 
 
+def mpi4py_reads(status: Any) -> tuple[bool, int, int, int]:
+    return (status.Is_cancelled(), status.Get_count(MPI.BYTE), status.Get_source(),
+            status.Get_tag())
+
+
+@pytest.mark.parametrize("do", IMPLEMENTATIONS)
+def test_a_completed_status_reads_as_mpi4py_reads_it(do: Calls, comm: Any) -> None:
+    receive = do.irecv(comm, bytearray(16), MPI.ANY_SOURCE, MPI.ANY_TAG)
+    send = do.issend(comm, b"0123456789", 0, 41)
+    requests, statuses = [receive, send], [MPI.Status(), MPI.Status()]
+    found: dict[int, Any] = {}
+    while len(found) < 2:
+        for k, i in enumerate(finish(do, requests, statuses)):
+            found[i] = statuses[k].py2f()  # a copy: the next Testsome overwrites them
+    got, sent = MPI.Status.f2py(found[0]), MPI.Status.f2py(found[1])
+    assert mpi4py_reads(got) == (False, 10, 0, 41)
+    assert do.received(got) == (10, 0, 41)
+    assert do.cancelled(got) is False and do.cancelled(sent) is False
+
+
+@pytest.mark.parametrize("do", IMPLEMENTATIONS)
+def test_a_cancelled_receive_reads_as_cancelled(do: Calls, comm: Any) -> None:
+    receive = do.irecv(comm, bytearray(4), 0, 77)  # nothing is sent to it
+    receive.Cancel()
+    statuses = [MPI.Status()]
+    assert finish(do, [receive], statuses) == [0]
+    assert mpi4py_reads(statuses[0])[0] is True
+    assert do.cancelled(statuses[0]) is True
+    assert do.received(statuses[0]) is None
+
+
 @pytest.mark.parametrize("do", IMPLEMENTATIONS)
 def test_testsome_over_no_active_request_answers_none(do: Calls) -> None:
     assert do.testsome([], []) is None
@@ -123,6 +158,8 @@ def test_a_truncated_receive_raises_with_its_request_freed_and_its_status_filled
     assert raised.value.Get_error_class() == MPI.ERR_IN_STATUS
     assert requests[0] == MPI.REQUEST_NULL  # written back before the raise
     assert MPI.Get_error_class(statuses[0].Get_error()) == MPI.ERR_TRUNCATE
+    cancelled, *fields = mpi4py_reads(statuses[0])
+    assert do.received(statuses[0]) == tuple(fields) and not cancelled
     send.Wait()
 
 
@@ -145,6 +182,11 @@ def test_mate_mpi_refuses_bad_arguments(comm: Any) -> None:
         FROM_C.testsome((MPI.REQUEST_NULL,), [])  # a tuple, not a list
     with pytest.raises(TypeError):
         FROM_C.testsome([object()], [])
+    for read in (FROM_C.received, FROM_C.cancelled):
+        with pytest.raises(TypeError):
+            read(object())  # not a status
+        with pytest.raises(TypeError):
+            read()
 
 
 @pytest.mark.parametrize("do", IMPLEMENTATIONS)
@@ -173,7 +215,9 @@ def test_the_calls_fall_back_to_mpi4py_where_mate_mpi_does_not_load() -> None:
              "from mate.transports.mpi import calls\n"
              "assert not calls.FROM_C\n"
              "assert calls.testsome == MPI.Request.Testsome\n"
-             "assert (calls.issend, calls.irecv) == (MPI.Comm.Issend, MPI.Comm.Irecv)\n")
+             "assert (calls.issend, calls.irecv) == (MPI.Comm.Issend, MPI.Comm.Irecv)\n"
+             "assert calls.cancelled == MPI.Status.Is_cancelled\n"
+             "assert calls.received is calls._received\n")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 0, run.stderr

@@ -8,3 +8,10 @@ def irecv(comm: Any, buffer: Any, source: int, tag: int, /) -> Any:
 
 def testsome(requests: list[Any], statuses: list[Any], /) -> list[int] | None:
     """MPI.Request.Testsome(requests, statuses), made from C."""
+
+def cancelled(status: Any, /) -> bool:
+    """status.Is_cancelled(), made from C."""
+
+def received(status: Any, /) -> tuple[int, int, int] | None:
+    """None if the receive was cancelled, else (status.Get_count(MPI.BYTE),
+    status.Get_source(), status.Get_tag()), made from C."""

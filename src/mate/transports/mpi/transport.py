@@ -68,7 +68,6 @@ _RECV: Final = Op.RECV
 # MPI's constants, read once: a compiled read from the module is a dictionary lookup.
 _MPI_ANY_SOURCE: Final = MPI.ANY_SOURCE
 _MPI_ANY_TAG: Final = MPI.ANY_TAG
-_MPI_BYTE: Final = MPI.BYTE
 
 
 class _Send:
@@ -99,6 +98,8 @@ class MpiTransport(Transport):
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self._issend: calls.Post = calls.issend  # a message's MPI calls (calls.py)
         self._irecv: calls.Post = calls.irecv
+        self._cancelled: Callable[[MPI.Status], bool] = calls.cancelled  # a status's reads
+        self._received: Callable[[MPI.Status], tuple[int, int, int] | None] = calls.received
         self.mypid = self.comm.Get_rank()
         self.numprocs = self.comm.Get_size()
         self.tag_max = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
@@ -201,7 +202,7 @@ class MpiTransport(Transport):
         if error is not None:
             self.report.failed(msg, FailureReason.TRANSPORT,
                         f"MPI_Issend: {error}", cause=error)
-        elif status.Is_cancelled():
+        elif self._cancelled(status):
             self.report.cancelled(msg)
         else:
             self.report.completed(msg, len(msg.buffer), msg.peer, msg.tag)
@@ -262,11 +263,11 @@ class MpiTransport(Transport):
 
     def _recv_done(self, msg: Operation, status: MPI.Status, error: MPI.Exception | None) -> None:
         msg.transport_data = None  # a cancel that comes now finds nothing left to cancel
-        if status.Is_cancelled():
+        fields = self._received(status)
+        if fields is None:
             self.report.cancelled(msg)
             return
-        length = status.Get_count(_MPI_BYTE)
-        source, tag = status.Get_source(), status.Get_tag()
+        length, source, tag = fields
         if error is None:
             self.report.completed(msg, length, source, tag)
         elif MPI.Get_error_class(status.Get_error()) == MPI.ERR_TRUNCATE:

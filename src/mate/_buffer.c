@@ -21,6 +21,13 @@
 static PyObject *
 address_of(PyObject *Py_UNUSED(module), PyObject *view)
 {
+    /* A memoryview (what mate.arguments makes) holds its buffer already: read it
+       there, without the export and release of another view (the receipt of every
+       awaited message asks). A released one is left to the export, which refuses it. */
+    if (PyMemoryView_Check(view)
+        && !(((PyMemoryViewObject *)view)->flags & _Py_MEMORYVIEW_RELEASED)) {
+        return PyLong_FromVoidPtr(PyMemoryView_GET_BUFFER(view)->buf);
+    }
     Py_buffer info;
     if (PyObject_GetBuffer(view, &info, PyBUF_SIMPLE) != 0) {
         return NULL;  /* not a buffer: mate.arguments made `view`, so this never happens */

@@ -250,52 +250,55 @@ done:
     return out;
 }
 
-/* The status argument of `received` and `cancelled`, or NULL with TypeError set. */
-static MPI_Status *
-status_arg(const char *name, PyObject *const *args, Py_ssize_t nargs)
+/* The status argument of `received` and `cancelled`, and whether it was cancelled:
+   0, or -1 with an exception set (TypeError, or MPI's error as MPI.Exception). */
+static int
+read_cancelled(const char *name, PyObject *const *args, Py_ssize_t nargs,
+               MPI_Status **status, int *flag)
 {
     if (nargs != 1 || !PyObject_TypeCheck(args[0], &PyMPIStatus_Type)) {
         PyErr_Format(PyExc_TypeError, "%s(status): an MPI.Status", name);
-        return NULL;
+        return -1;
     }
-    return &((PyMPIStatusObject *)args[0])->ob_mpi;
+    *status = &((PyMPIStatusObject *)args[0])->ob_mpi;
+    int ierr = test_cancelled_c(*status, flag);
+    if (ierr != MPI_SUCCESS) {
+        raise_mpi(ierr);
+        return -1;
+    }
+    return 0;
 }
 
 /* cancelled(status) -> bool: status.Is_cancelled(). */
 static PyObject *
 cancelled(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    MPI_Status *status = status_arg("cancelled", args, nargs);
-    if (status == NULL) {
+    MPI_Status *status;
+    int flag = 0;
+    if (read_cancelled("cancelled", args, nargs, &status, &flag) < 0) {
         return NULL;
-    }
-    int flag = 0, ierr = test_cancelled_c(status, &flag);
-    if (ierr != MPI_SUCCESS) {
-        return raise_mpi(ierr);
     }
     return PyBool_FromLong(flag);
 }
 
 /* received(status) -> tuple[int, int, int] | None: None if the receive was cancelled,
    else (status.Get_count(MPI.BYTE), status.Get_source(), status.Get_tag()). One call
-   where mpi4py's methods make four (a third of a microsecond per receive). */
+   where mpi4py's methods make four (1.2 k machine instructions a receive, callgrind). */
 static PyObject *
 received(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    MPI_Status *status = status_arg("received", args, nargs);
-    if (status == NULL) {
+    MPI_Status *status;
+    int flag = 0;
+    if (read_cancelled("received", args, nargs, &status, &flag) < 0) {
         return NULL;
-    }
-    int flag = 0, ierr = test_cancelled_c(status, &flag);
-    MPI_Count count = 0;
-    if (ierr == MPI_SUCCESS && !flag) {
-        ierr = get_count_c(status, MPI_BYTE, &count);
-    }
-    if (ierr != MPI_SUCCESS) {
-        return raise_mpi(ierr);
     }
     if (flag) {
         Py_RETURN_NONE;
+    }
+    MPI_Count count = 0;
+    int ierr = get_count_c(status, MPI_BYTE, &count);
+    if (ierr != MPI_SUCCESS) {
+        return raise_mpi(ierr);
     }
     return Py_BuildValue("(Lii)", (long long)count, status->MPI_SOURCE, status->MPI_TAG);
 }

@@ -1,14 +1,14 @@
 """The MPI calls every message makes: from C where `mate._mpi` runs, else mpi4py's.
 
-A message of the MPI transport is posted with `issend` or `irecv` and found
-complete by the `testsome` of a pass, which reads its status (`cancelled`,
-`received`). Made through mpi4py, each of these
-calls cost 0.3-1.0 us more than made from C (`bench/mpi_calls.py`), where a
-message of the message rate costs mate 4-5 us in all; `mate._mpi` makes the
-same calls from C on the same mpi4py objects. It is not there in a pure-Python install or run
-(``MATE_PURE_PYTHON``), where it was built without MPI's headers, or where
-mpi4py runs on an MPI library not of MPICH's ABI; mpi4py's own methods,
-called unbound, serve then, with the same arguments and results.
+A message of the MPI transport is posted with `issend` or `irecv`, found
+complete by the `testsome` of a pass, and its status then read (`cancelled`,
+`received`). Made through mpi4py, each of these calls cost 0.3-1.0 us more than
+made from C (`bench/mpi_calls.py`), where a message of the message rate costs
+mate 4-5 us in all; `mate._mpi` makes the same calls from C on the same mpi4py
+objects. It is not there in a pure-Python install or run (``MATE_PURE_PYTHON``),
+where it was built without MPI's headers, or where mpi4py runs on an MPI library
+not of MPICH's ABI; mpi4py's own methods, called unbound, serve then, with the
+same arguments and results.
 """
 
 from __future__ import annotations

@@ -835,3 +835,49 @@ def test_the_history_of_sets_computes_every_set_alike_in_the_order_they_ran(
     assert cells[2] == "0.50" and cells[7] == "0.70" and cells[8] == "70.0 ✗"
     assert cells[9] == "0.90 ✗" and cells[10] == "-"
     assert lines[4].split(" | ")[9] == "0.96"
+
+
+# -- where a large ping-ping's time goes (bench/exchange_phases.py) --------------------------
+
+
+def _perf_script(copies: dict[int, list[tuple[float, float]]], size: int) -> str:
+    """`perf script -F pid,time,event,trace` text of `copies` (us), with 16 B reads of
+    MPICH's own (which are not copies of `size`) between them."""
+    lines = []
+    for pid, made in copies.items():
+        for start, end in made:
+            for at, kind, trace in ((start - 2, "enter", "pid: 0x1"), (start - 1, "exit", "0x10"),
+                                    (start, "enter", "pid: 0x1"), (end, "exit", hex(size))):
+                lines.append(f"{pid:>7} {at / 1e6:.6f}: syscalls:sys_{kind}_process_vm_readv: "
+                             f"{trace}")
+    return "\n".join(lines)
+
+
+def test_a_ping_pings_phases_are_read_off_the_two_ranks_copies() -> None:
+    """Each side's exchanges are paired across the ranks by their order: the copy and
+    the skews of the pair, the gap from the later end to the next pair's first start,
+    the exchange from start to start; the warm-up round and each block's last exchange
+    (its next copies are the next side's) are left out."""
+    phases = load_script(Path(__file__).parent.parent / "bench" / "exchange_phases.py")
+    size, per_side = 4 << 20, {"mate": 40.0, "floor": 30.0, "raw": 10.0}  # gaps
+    a: list[tuple[float, float]] = []
+    b: list[tuple[float, float]] = []
+    now = 0.0
+    for _ in range(phases.ROUNDS):
+        for side in phases.SIDES:
+            for _ in range(phases.EXCHANGES):
+                a.append((now, now + 300.0))
+                b.append((now + 2.0, now + 320.0))  # starts 2 us later, ends 20 us later
+                now += 320.0 + per_side[side]
+            now += 1000.0  # the barrier before the next side
+    copies = phases.parse_copies(_perf_script({101: a, 202: b}, size), size)
+    assert sorted(copies) == [101, 202]
+    assert [t for pair in copies[202] for t in pair] == pytest.approx(
+        [t for pair in b for t in pair])
+    medians = phases.phases(copies)
+    for side, gap in per_side.items():
+        assert medians[side] == {"copy": pytest.approx(309.0), "start skew": pytest.approx(2.0),
+                                 "end skew": pytest.approx(20.0), "gap": pytest.approx(gap),
+                                 "exchange": pytest.approx(320.0 + gap)}
+    with pytest.raises(ValueError, match="expected two processes"):
+        phases.phases({101: a, 202: b[:-1]})

@@ -560,6 +560,10 @@ class Engine:
     def has_calls(self) -> bool:
         return bool(self._inbox)
 
+    def passes_between_calls(self) -> bool:
+        """Whether passes may run between the program's calls now (`Progress`)."""
+        return self._progress.passes_between_calls()
+
     # -- one pass ------------------------------------------------------------------------
 
     def poking(self) -> bool:
@@ -897,6 +901,12 @@ class Progress(abc.ABC):
     def leave(self) -> None:  # noqa: B027
         """Leave what `enter` entered."""
 
+    def passes_between_calls(self) -> bool:
+        """Whether passes may run now between the program's calls, taking in messages
+        that its next receive would then match as it is posted (MPI copies such a
+        message inside MPI_Irecv): only a progress thread runs those passes."""
+        return False
+
     @abc.abstractmethod
     def stop(self) -> None: ...
 
@@ -1131,6 +1141,9 @@ class ThreadProgress(Progress):
         # pass's slice and an awaiting task's spin, not around every pass.
         self._clock = array("d", [-math.inf])
         self._standing_back = False  # the thread sleeps in `stand_back`: wake it by the pipe
+        # The thread ran a pass since the loop's last one: it may have taken in messages
+        # while the program ran (`passes_between_calls`).
+        self._thread_passed = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -1215,12 +1228,19 @@ class ThreadProgress(Progress):
         # instead kept the GIL from the thread for the whole spin: pingping and put/get
         # in thread mode went 1.5-2x slower.)
         with self._pass_lock:
+            self._thread_passed = False
             return self.engine.test(poke)
 
     # -- the thread's passes -------------------------------------------------------------
 
     def _loop_helping(self) -> bool:
         return self._clock[0] + STAND_BACK > _monotonic()
+
+    def passes_between_calls(self) -> bool:
+        # While the loop runs the passes (it helps, or nothing is outstanding) the thread
+        # stands back or sleeps: no pass runs until the program awaits again, as in poll
+        # mode.
+        return self._thread_passed
 
     def _stand_back(self) -> None:
         """Sleep while the loop runs the passes, or until woken (`_wake_thread`)."""
@@ -1251,6 +1271,7 @@ class ThreadProgress(Progress):
                 # No pokes here: they would keep the pass lock from an awaiting loop's
                 # passes (64 KiB native puts took 1.5x as long); the loop's passes poke.
                 with self._pass_lock:
+                    self._thread_passed = True
                     engine.test()
             except Exception as exc:  # a fault in the pass itself: log it, keep progressing
                 logger.exception("mate: MPI progress pass failed", exc_info=exc)

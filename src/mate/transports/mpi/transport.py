@@ -23,9 +23,9 @@ with RESOURCES at once (it is not receiving: more would only pile up).
 
 recv is `Irecv` with the wildcards mapped both ways; a truncated message fails
 with TRUNCATED and the receipt's length is what MPI wrote. A cancelled recv is
-`MPI_Cancel` + test: if the data had already matched, the recv completes. In
-thread mode a large receive is issued after the send posted right after it
-(`_post_recv`).
+`MPI_Cancel` + test: if the data had already matched, the recv completes. A
+large receive posted after the progress thread ran passes (the program computed)
+is issued after the send posted right after it (`_post_recv`).
 
 put and get are one of three strategies (`rma.py`, `rma_native.py`,
 `rma_emulated.py`, and `rma_auto.py` choosing between the two by size),
@@ -114,8 +114,7 @@ class MpiTransport(Transport):
         self.engine.nudge = self._nudge
         self.engine.loop_work = lambda: self._sink.loop_work  # the sink of the moment
         self._nudges_sent = self._nudges_received = 0
-        # Thread mode: large receives wait for the next send or pass (see _post_recv).
-        self._defer_large = progress == "thread"
+        # Large receives that wait for the next send or pass (see _post_recv).
         self._deferred: list[Operation] = []  # receives not issued yet, in posting order
         self._deferred_lock = threading.Lock()  # the loop and the progress thread post
         self.rma: Rma
@@ -209,23 +208,28 @@ class MpiTransport(Transport):
             self.report.completed(msg, len(msg.buffer), msg.peer, msg.tag)
 
     def _post_recv(self, msg: Operation) -> None:
-        """Issue the receive; in thread mode, a large one after the next send.
+        """Issue the receive; a large one after the next send while a progress thread
+        runs passes.
 
         A receive whose message has already been taken in by MPI (an RTS in the
         unexpected queue) is copied inside MPI_Irecv: 4 MiB took ~1 ms there
-        (bench/late_receive.py). In thread mode that is often the case, since the
-        progress thread runs passes while the loop runs the user's code, and a send
-        posted right after the receive, as in an exchange, then reaches MPI only after
-        the copy, while the peer waits for it to copy its own: the two copies ran one
-        after the other (a 4 MiB pingping: 0.79x raw, 0.86x with this;
-        bench/results/deferred-receive-2026-11-28.txt). So there a receive of
-        `TRANSFER_SIZE` bytes or more is issued after the next send's `Issend`, or by
-        the next pass if no send comes first, and every receive posted while one waits
-        queues behind it: receives reach MPI in posting order. Not in poll and manual
-        mode, where passes do not run between the user's calls, and where holding
-        receives back made a 64 KiB pingping take 68 us instead of 57.
+        (bench/late_receive.py). That is often the case while a progress thread runs
+        passes during the user's code, and a send posted right after the receive, as
+        in an exchange, then reaches MPI only after the copy, while the peer waits for
+        it to copy its own: the two copies ran one after the other (a 4 MiB pingping:
+        0.79x raw, 0.86x with this; bench/results/deferred-receive-2026-11-28.txt).
+        So then a receive of `TRANSFER_SIZE` bytes or more is issued after the next
+        send's `Issend`, or by the next pass if no send comes first, and every receive
+        posted while one waits queues behind it: receives reach MPI in posting order.
+        Not while no pass runs between the user's calls (poll and manual mode, and
+        thread mode while the thread has run no pass since the loop's last one:
+        `Engine.passes_between_calls`), where
+        holding receives back made a 64 KiB pingping take 68 us instead of 57 (poll
+        mode), and read 0.56x raw instead of 0.69x (thread mode;
+        bench/results/deferred-receive-2026-12-02.txt).
         """
-        if self._defer_large and (self._deferred or len(msg.buffer) >= TRANSFER_SIZE):
+        if self._deferred or (len(msg.buffer) >= TRANSFER_SIZE
+                              and self.engine.passes_between_calls()):
             self._defer(msg)
         else:
             self._issue_recv(msg)

@@ -43,6 +43,13 @@ async def counting_wake_ups(pause: float = 0.0) -> AsyncIterator[Callable[[], in
         await counter
 
 
+def compute(seconds: float) -> None:
+    """Keep the calling thread (the loop's) busy for `seconds`, never yielding."""
+    busy_until = time.monotonic() + seconds
+    while time.monotonic() < busy_until:
+        sum(range(1000))
+
+
 async def fewest_turns(attempt: Callable[[], Awaitable[None]], attempts: int = 10) -> int:
     """The fewest turns of the event loop that `attempt` took in `attempts` runs. A
     spin is bounded in time, so a host that takes a rank's core away (another job on
@@ -184,9 +191,7 @@ async def test_progress_handlers_answer_while_the_loop_computes(fabric: Fabric) 
             server = mate.Schedule(completion=answer)
             world.recv(request, 0, tag=6, schedule=server)
             await world.send(b"ready", 0, tag=8)
-            busy_until = time.monotonic() + 1.5
-            while time.monotonic() < busy_until:  # the loop's thread computes, never yields
-                sum(range(1000))
+            compute(1.5)  # the loop's thread computes, never yields
             assert len(answered) == 5, "requests were not answered while the loop was busy"
         elif world.mypid == 0:
             await world.recv(bytearray(5), 1, tag=8)
@@ -221,9 +226,7 @@ async def test_the_progress_thread_takes_over_from_a_loop_that_stops_helping(
             recv = world.recv(inbox, 0, tag=6)
             for _ in range(20):  # the loop helps now: it ran the passes of these awaits
                 await world.send(b"ready", 0, tag=8)
-            busy_until = time.monotonic() + 1.0
-            while time.monotonic() < busy_until:  # the loop's thread computes, never yields
-                sum(range(1000))
+            compute(1.0)  # the loop's thread computes, never yields
             receipt = await recv
             assert bytes(inbox) == b"matched!" and receipt.length == 8
         elif world.mypid == 0:
@@ -904,9 +907,7 @@ def compute_while_a_progress_thread_runs_passes() -> None:
     standing receives outstanding."""
     from mate.transports.mpi.progress import IDLE_INTERVAL
 
-    busy_until = time.monotonic() + 10 * IDLE_INTERVAL
-    while time.monotonic() < busy_until:
-        sum(range(1000))
+    compute(10 * IDLE_INTERVAL)
 
 
 async def test_a_large_receive_posted_before_a_send_reaches_mpi_after_it_in_thread_mode(

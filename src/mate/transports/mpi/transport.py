@@ -223,10 +223,9 @@ class MpiTransport(Transport):
         posted while one waits queues behind it: receives reach MPI in posting order.
         Not while no pass runs between the user's calls (poll and manual mode, and
         thread mode while the thread has run no pass since the loop's last one:
-        `Engine.passes_between_calls`), where
-        holding receives back made a 64 KiB pingping take 68 us instead of 57 (poll
-        mode), and read 0.56x raw instead of 0.69x (thread mode;
-        bench/results/deferred-receive-2026-12-02.txt).
+        `Engine.passes_between_calls`), where holding receives back made a 64 KiB
+        pingping take 68 us instead of 57 (poll mode), and read 0.56x raw instead of
+        0.69x (thread mode; bench/results/deferred-receive-2026-12-02.txt).
         """
         if self._deferred or (len(msg.buffer) >= TRANSFER_SIZE
                               and self.engine.passes_between_calls()):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 from conftest import THREADED, Fabric, barrier
@@ -156,11 +156,12 @@ class _EndsWhileAwaited(_Silent):
     """A wire whose awaiting task finds the message done, as a poll-mode pass run by
     that task would (`Transport.awaiting`)."""
 
-    def awaiting(self, op: Operation, done: Callable[[], bool]) -> None:
+    def awaiting(self, op: Operation, done: Callable[[], bool]) -> bool:
         assert not done()
         if op.op is mate.Op.SEND:
             self.sink.submitted(op)
         self.sink.completed(op, len(op.buffer), 1, 3)
+        return False
 
 
 async def test_a_message_that_ends_in_the_transport_s_awaiting_makes_no_future() -> None:
@@ -228,6 +229,108 @@ async def test_the_sink_counts_the_work_its_reports_give_the_loop() -> None:
     await world.shutdown()
 
 
+class _TurnsWhileAwaited(_Silent):
+    """A wire whose awaiting task's passes give the loop `turns` turns (as a poll-mode
+    spin that reaches SLICE does, `Transport.awaiting`), then end the message; with
+    `turns=None` they never end it."""
+
+    def __init__(self, turns: int | None) -> None:
+        super().__init__()
+        self.turns, self.asked, self.cancelled = turns, 0, 0
+
+    def awaiting(self, op: Operation, done: Callable[[], bool]) -> bool:
+        self.asked += 1
+        if self.turns is None or self.asked <= self.turns:
+            return True
+        if op.op is mate.Op.SEND:
+            self.sink.submitted(op)
+        self.sink.completed(op, len(op.buffer), 1, 3)
+        return False
+
+    def cancel(self, op: Operation) -> None:
+        self.cancelled += 1
+        self.sink.cancelled(op)
+
+
+async def _counting_futures_and_turns(body: Callable[[], Awaitable[None]]) -> tuple[int, int]:
+    """The futures made and the loop's turns (a task that yields in every turn) while
+    `body` runs."""
+    loop = asyncio.get_running_loop()
+    made, turns, running = 0, 0, True
+    make = loop.create_future
+
+    def counting() -> asyncio.Future[object]:
+        nonlocal made
+        made += 1
+        return make()
+
+    async def turning() -> None:
+        nonlocal turns
+        while running:
+            await asyncio.sleep(0)
+            turns += 1
+
+    turner = asyncio.ensure_future(turning())
+    await asyncio.sleep(0)  # the turner runs from now on
+    loop.create_future = counting  # type: ignore[method-assign]
+    try:
+        await body()
+    finally:
+        loop.create_future = make  # type: ignore[method-assign]
+        running = False
+    await turner
+    return made, turns
+
+
+async def test_an_awaiter_gives_the_loop_the_turns_its_transport_asks_and_makes_no_future() -> None:
+    """A transport's awaiting passes that stop only for the loop to turn have the task
+    yield one turn and ask again, with no future made, resolved and woken on: a 4 MiB
+    message outlasts a poll-mode spin, and with a future the task woke a turn after the
+    pass that ended its message. The awaits of a message and of a submission alike."""
+    loop = asyncio.get_running_loop()
+    world = World(loop, default_timeout=1.0, handlers="loop")
+    wire = _TurnsWhileAwaited(turns=3)
+    wire.bind(world.sink)
+    world.attach(wire)
+    results: list[int] = []
+
+    async def body() -> None:
+        results.append((await world.recv(bytearray(4), 1, 3)).length)
+        wire.asked = 0
+        send = world.send(b"abcd", 1, 3)
+        results.append((await send.submitted).length)  # type: ignore[misc]
+        results.append((await send).length)
+
+    made, turns = await asyncio.wait_for(_counting_futures_and_turns(body), 5.0)
+    assert results == [4, 4, 4] and made == 0
+    assert wire.asked == 4  # three turns, then the send ended: its completion needs no ask
+    assert turns >= 6, turns  # three turns for each of the two awaits that asked
+    await world.shutdown()
+
+
+async def test_a_task_cancelled_at_a_turn_its_transport_asked_cancels_its_message() -> None:
+    """As a task cancelled while it waits on its future: the message is cancelled."""
+    loop = asyncio.get_running_loop()
+    world = World(loop, default_timeout=1.0, handlers="loop")
+    wire = _TurnsWhileAwaited(turns=None)
+    wire.bind(world.sink)
+    world.attach(wire)
+    msg = world.recv(bytearray(4), 1, 3, timeout=None)
+    waiter = asyncio.ensure_future(_await(msg))
+    for _ in range(100):
+        await asyncio.sleep(0)
+    assert wire.asked >= 50, wire.asked  # asked again after every turn
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert wire.cancelled == 1 and msg.state is State.CANCELLED
+    await world.shutdown()
+
+
+async def _await(msg: mate.Message) -> mate.Receipt:
+    return await msg
+
+
 class _SubmitsWhileAwaited(_Silent):
     """A wire whose awaiting task sees a send submitted, and notes what `done()` said."""
 
@@ -235,11 +338,12 @@ class _SubmitsWhileAwaited(_Silent):
         super().__init__()
         self.said: list[bool] = []
 
-    def awaiting(self, op: Operation, done: Callable[[], bool]) -> None:
+    def awaiting(self, op: Operation, done: Callable[[], bool]) -> bool:
         before = done()
         if not op.submitted_seen:  # type: ignore[attr-defined]
             self.sink.submitted(op)
         self.said += [before, done()]
+        return False
 
 
 async def test_the_awaiter_of_a_submission_is_done_at_the_submission() -> None:

@@ -840,6 +840,50 @@ async def test_a_ping_ping_awaited_while_passes_spin_needs_few_turns_of_the_loop
 
 
 @awaiting_task_passes
+async def test_a_reply_that_outlasts_the_spin_is_awaited_with_no_future(fabric: Fabric) -> None:
+    """A reply that comes after SLICE, but while passes still spin (within SPIN): the
+    awaiting task's spin gives up for the loop's turn, and the task yields one bare
+    turn at a time (`Ledger.waiter`), the queued pass running in each, with no future
+    made for the reply. With a future, every round made one and woke a turn after the
+    pass that ended the reply."""
+    from mate.transports.mpi.progress import SLICE, SPIN
+
+    rounds = 40
+
+    async def program(world: mate.World) -> None:
+        await barrier(world)
+        if world.mypid <= 1:
+            peer, buf = 1 - world.mypid, bytearray(8)
+            loop = asyncio.get_running_loop()
+            make, made = loop.create_future, 0
+
+            def counting() -> asyncio.Future[object]:
+                nonlocal made
+                made += 1
+                return make()
+
+            loop.create_future = counting  # type: ignore[method-assign]
+            try:
+                for _ in range(rounds):
+                    if world.mypid == 0:
+                        reply = world.recv(buf, peer, tag=27)
+                        await world.send(buf, peer, tag=27)
+                        await reply
+                    else:
+                        await world.recv(buf, peer, tag=27)
+                        compute((SLICE + SPIN) / 2)  # the reply comes after rank 0's spin
+                        await world.send(buf, peer, tag=27)
+            finally:
+                loop.create_future = make  # type: ignore[method-assign]
+            if world.mypid == 0:
+                assert made < rounds // 2, made
+        await barrier(world)
+
+    async with fabric.open() as group:
+        await group.run(program)
+
+
+@awaiting_task_passes
 async def test_a_ping_pong_awaited_while_passes_spin_leaves_the_loop_to_its_timers(
         fabric: Fabric) -> None:
     """The passes of an awaiting task hold the loop for at most SLICE since it last

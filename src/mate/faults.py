@@ -718,8 +718,8 @@ class FaultyTransport(Transport):
     def progress(self) -> None:
         self.inner.progress()
 
-    def awaiting(self, op: Operation, done: Callable[[], bool]) -> None:
-        self.inner.awaiting(op, done)
+    def awaiting(self, op: Operation, done: Callable[[], bool]) -> bool:
+        return self.inner.awaiting(op, done)
 
     def stats(self) -> dict[str, int]:
         return {**self.inner.stats(), **{f"injected_{k}": v for k, v in self.injected.items()},

@@ -276,15 +276,20 @@ class Ledger:
 
     def waiter(self, msg: Message, *, submission: bool) -> asyncio.Future[None] | None:
         """A future for a task that awaits `msg` (its submission if `submission`);
-        None if that has happened already. The awaiter cancels the message if the
-        future is cancelled (`Message.__await__`).
+        None if that has happened already, or if the loop is due a turn first. The
+        awaiter cancels the message if the future is cancelled, and asks again after
+        the turn (`Message.__await__`).
 
         The transport hears of the awaiter first: a transport whose awaiting task runs
         passes itself (poll mode) may end the message there, and then no future is
-        made, resolved and awaited for it."""
+        made, resolved and awaited for it. If its passes stopped only for the loop to
+        turn (`Transport.awaiting`), none is made either: the task yields once, the
+        pass queued on the loop runs in that turn, and the task finds the message
+        ended or spins again, where a future would wake it one turn later."""
         if self.transport is not None and not self.closed:
-            self.transport.awaiting(msg, msg.submitted_or_done if submission else msg.done)
-            if msg.done() or (submission and msg.submitted_seen):
+            turn = self.transport.awaiting(
+                msg, msg.submitted_or_done if submission else msg.done)
+            if turn or msg.done() or (submission and msg.submitted_seen):
                 return None
         future = self._loop.create_future()
         if self._threaded:

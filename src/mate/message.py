@@ -203,19 +203,22 @@ class Message(Operation):
         return _Submitted(self) if self.origin else None
 
     def __await__(self) -> Generator[Any, None, Receipt]:
-        if not self.done():
+        while not self.done():
             future = self._ledger.waiter(self, submission=False)
-            if future is not None:
-                # Inline, not a helper generator shared with `_Submitted` (one generator
-                # fewer per await): a task cancelled while it waits (its future
-                # cancelled) cancels the message. Not a done callback on the future,
-                # which would cost a loop callback on every wake-up.
-                try:
+            # Inline, not a helper generator shared with `_Submitted` (one generator
+            # fewer per await): a task cancelled while it waits (its future cancelled,
+            # or at its turn) cancels the message. Not a done callback on the future,
+            # which would cost a loop callback on every wake-up.
+            try:
+                if future is None:
+                    if not self.done():
+                        yield  # the loop is due a turn (Ledger.waiter); then ask again
+                else:
                     yield from future
-                except asyncio.CancelledError:
-                    if future.cancelled():
-                        self.cancel()
-                    raise
+            except asyncio.CancelledError:
+                if future is None or future.cancelled():
+                    self.cancel()
+                raise
         return self.outcome()
 
     def outcome(self) -> Receipt:
@@ -300,15 +303,18 @@ class _Submitted:
 
     def __await__(self) -> Generator[Any, None, Receipt]:
         msg = self._msg
-        if not msg.submitted_seen and not msg.done():
+        while not msg.submitted_seen and not msg.done():
             future = msg._ledger.waiter(msg, submission=True)
-            if future is not None:
-                try:  # as in Message.__await__
+            try:  # as in Message.__await__
+                if future is None:
+                    if not (msg.submitted_seen or msg.done()):
+                        yield
+                else:
                     yield from future
-                except asyncio.CancelledError:
-                    if future.cancelled():
-                        msg.cancel()
-                    raise
+            except asyncio.CancelledError:
+                if future is None or future.cancelled():
+                    msg.cancel()
+                raise
         if msg.submitted_seen:
             return msg.receipt_for(_SUBMISSION)
         return msg.outcome()  # ended without submission: raises its outcome

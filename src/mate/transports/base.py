@@ -203,11 +203,15 @@ class Transport(abc.ABC):
     def progress(self) -> None:  # noqa: B027 - a no-op is right for independent progress
         """Drive progress by hand (mate_progress); a no-op with independent progress."""
 
-    def awaiting(self, op: Operation, done: Callable[[], bool]) -> None:  # noqa: B027
+    def awaiting(self, op: Operation, done: Callable[[], bool]) -> bool:
         """A task awaits `op` until `done()`: transports driven by hand drive it until then.
 
         A transport may also run passes right here, in the awaiting task, until
-        `done()` or until the sink's `loop_work` moves."""
+        `done()` or until the sink's `loop_work` moves. True if those passes stopped
+        only because the loop is due a turn while `op` still moves: the task then
+        yields for one turn and awaits again, with no future made, resolved and
+        woken on (`Ledger.waiter`)."""
+        return False
 
     def stats(self) -> dict[str, int]:
         """The transport's counters (`world.stats()`); none by default."""

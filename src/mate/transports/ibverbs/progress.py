@@ -74,9 +74,11 @@ class Progress(abc.ABC):
     def posted(self) -> None:  # noqa: B027 (most modes need do nothing)
         """Work was started; the channel will tell when it completes."""
 
-    def awaiting(self, done: Callable[[], bool]) -> None:
-        """A task awaits until `done()` (on the loop's thread)."""
+    def awaiting(self, done: Callable[[], bool]) -> bool:
+        """A task awaits until `done()` (on the loop's thread); True to have it give
+        the loop one turn and ask again (`Transport.awaiting`)."""
         self.posted()
+        return False
 
     @abc.abstractmethod
     def stop(self) -> None:
@@ -140,17 +142,21 @@ class PollProgress(LoopProgress):
     def posted(self) -> None:
         self.kick()
 
-    def awaiting(self, done: Callable[[], bool]) -> None:
+    def awaiting(self, done: Callable[[], bool]) -> bool:
         self.kick()
         if self._soon_at is None:
-            return  # backing off: what the task awaits is not expected soon
+            return False  # backing off: what the task awaits is not expected soon
         give_up = self._soon_at + SLICE
         mark = self.loop_work()
         while not done() and time.monotonic() < give_up:
             if self._guarded():
                 self._last_moved, self._pause = time.monotonic(), 0.0
                 if self.loop_work() != mark:
-                    return
+                    return False
+        # Given up for the loop's turn, in which the queued poll runs: while passes
+        # spin, the task yields that one turn and spins again (as the MPI transport's).
+        return (not done() and self._soon_at is not None
+                and time.monotonic() - self._last_moved < SPIN)
 
     def kick(self) -> None:  # a poll is a pass, which delivers the reports too
         if self._polling or self._stopped:

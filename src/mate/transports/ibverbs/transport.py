@@ -152,8 +152,8 @@ class IbverbsTransport(Transport):
         self._progress.kick()
         await done
 
-    def awaiting(self, op: Operation, done: Callable[[], bool]) -> None:
-        self._progress.awaiting(done)
+    def awaiting(self, op: Operation, done: Callable[[], bool]) -> bool:
+        return self._progress.awaiting(done)
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -799,9 +799,10 @@ class Engine:
         """Begin running passes; called once the standing receives are posted."""
         self._progress.start()
 
-    def drive_until(self, done: Callable[[], bool]) -> None:
-        """A task awaits something until `done()`: make sure passes run until then."""
-        self._progress.drive_until(done)
+    def drive_until(self, done: Callable[[], bool]) -> bool:
+        """A task awaits something until `done()`: make sure passes run until then. True
+        if the task should give the loop one turn and then ask again (`await_spin`)."""
+        return self._progress.drive_until(done)
 
     def stop(self) -> None:
         """Stop running passes; a progress thread has ended on return."""
@@ -887,8 +888,10 @@ class Progress(abc.ABC):
     def kick(self) -> None:
         """Work was added: make sure a pass comes soon."""
 
-    def drive_until(self, done: Callable[[], bool]) -> None:  # noqa: B027
-        """A task awaits until `done()` (only passes driven by hand need to know)."""
+    def drive_until(self, done: Callable[[], bool]) -> bool:
+        """A task awaits until `done()` (only passes driven by hand need to know); True
+        to have the task give the loop one turn and ask again."""
+        return False
 
     def drive_passes(self, count: int) -> None:  # noqa: B027
         """Run at least `count` more passes soon (only passes driven by hand need it)."""
@@ -968,9 +971,9 @@ def loop_slice(engine: Engine, test: Callable[[bool], bool]) -> None:
 
 
 def await_spin(engine: Engine, test: Callable[[bool], bool], done: Callable[[], bool],
-               give_up: float) -> None:
+               give_up: float) -> bool:
     """Passes (`test`) run by a task that awaits, until `done()`, the loop has work, or
-    `give_up`.
+    `give_up`; True if it gave up with the loop given no work.
 
     A message that completes while its task spins here is awaited with no turn
     of the loop and no wake-up of the task. Bounded as `loop_slice` is: only
@@ -979,6 +982,11 @@ def await_spin(engine: Engine, test: Callable[[bool], bool], done: Callable[[], 
     queued), which this task's spinning would hold up. Messages that merely end,
     awaited by nobody yet (the receive posted beside an awaited send), need no
     turn of the loop and do not stop it.
+
+    Given up while passes still spin, the task yields for one bare turn of the
+    loop, in which the queued pass runs, and spins again (`Ledger.waiter`): with
+    a future instead, the pass that ends the message resolves it and the task
+    wakes a turn later, two turns for one. A 4 MiB message takes most of a SLICE.
     """
     loop_work = engine.loop_work
     mark = loop_work()
@@ -986,7 +994,8 @@ def await_spin(engine: Engine, test: Callable[[bool], bool], done: Callable[[], 
         # A pass that ended the message returns at once: the loop's work is not asked
         # for on the way from its completion to its task.
         if test(True) and (done() or loop_work() != mark):
-            return
+            return False
+    return not done() and loop_work() == mark
 
 
 class PollProgress(Progress):
@@ -1015,10 +1024,13 @@ class PollProgress(Progress):
     def kick(self) -> None:
         self.schedule(0.0)
 
-    def drive_until(self, done: Callable[[], bool]) -> None:
+    def drive_until(self, done: Callable[[], bool]) -> bool:
+        turn = False
         if self._soon is not None and self.engine.backoff.spinning():
-            await_spin(self.engine, self.engine.test, done, self._soon_at + SLICE)
+            turn = (await_spin(self.engine, self.engine.test, done, self._soon_at + SLICE)
+                    and self.engine.backoff.spinning())  # the queued pass runs in the turn
         self.schedule(0.0)
+        return turn
 
     def schedule(self, delay: float) -> None:
         """Make sure a pass runs within `delay` seconds (sooner than any pass planned)."""
@@ -1085,9 +1097,10 @@ class ManualProgress(PollProgress):
     def kick(self) -> None:
         pass  # idem
 
-    def drive_until(self, done: Callable[[], bool]) -> None:
+    def drive_until(self, done: Callable[[], bool]) -> bool:
         self._drivers.append(done)
         self.schedule(0.0)
+        return False
 
     def drive_passes(self, count: int) -> None:
         until = self.engine.passes + count
@@ -1181,17 +1194,20 @@ class ThreadProgress(Progress):
 
     # -- the loop's passes (on the loop's thread) ----------------------------------------
 
-    def drive_until(self, done: Callable[[], bool]) -> None:
+    def drive_until(self, done: Callable[[], bool]) -> bool:
+        turn = False
         if self.engine.loop_helps:
             # As in poll mode, the awaiting task runs passes first, within SLICE of the
             # loop's last help (the thread stands back for STAND_BACK, longer than that).
             if self._help is not None and self.engine.backoff.spinning():
                 self._clock[0] = math.inf
                 try:
-                    await_spin(self.engine, self._loop_test, done, self._helped + SLICE)
+                    turn = (await_spin(self.engine, self._loop_test, done, self._helped + SLICE)
+                            and self.engine.backoff.spinning())  # the help pass runs in it
                 finally:
                     self._clock[0] = _monotonic()
             self._start_helping()
+        return turn
 
     def _start_helping(self) -> None:
         if self._help is None and not self._stopping:

@@ -341,8 +341,8 @@ class MpiTransport(Transport):
         if self.engine.mode != "thread":
             self.engine.test()
 
-    def awaiting(self, op: Operation, done: Callable[[], bool]) -> None:
-        self.engine.drive_until(done)
+    def awaiting(self, op: Operation, done: Callable[[], bool]) -> bool:
+        return self.engine.drive_until(done)
 
     def stats(self) -> dict[str, int]:
         return {"requests": self.engine.user_outstanding, "orphaned_sends": self.engine.orphans,

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -99,3 +99,21 @@ async def barrier(world: mate.World) -> None:
         await world.send(b"\0", (me + step) % n, world.tag_max, timeout=None)
         await r
         step *= 2
+
+
+@contextlib.contextmanager
+def counting_futures() -> Iterator[Callable[[], int]]:
+    """Count the futures the running loop makes meanwhile (`loop.create_future`)."""
+    loop = asyncio.get_running_loop()
+    make, made = loop.create_future, 0
+
+    def counting() -> asyncio.Future[Any]:
+        nonlocal made
+        made += 1
+        return make()
+
+    loop.create_future = counting  # type: ignore[method-assign]
+    try:
+        yield lambda: made
+    finally:
+        loop.create_future = make  # type: ignore[method-assign]

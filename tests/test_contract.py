@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import pytest
-from conftest import THREADED, Fabric, barrier
+from conftest import THREADED, Fabric, barrier, counting_futures
 
 import mate
 from mate.machine import Input
@@ -173,25 +173,14 @@ async def test_a_message_that_ends_in_the_transport_s_awaiting_makes_no_future()
     wire = _EndsWhileAwaited()
     wire.bind(world.sink)  # where an opener's transport reports from its start
     world.attach(wire)
-    made = 0
-    make = loop.create_future
-
-    def counting() -> asyncio.Future[object]:
-        nonlocal made
-        made += 1
-        return make()
-
-    loop.create_future = counting  # type: ignore[method-assign]
-    try:
+    with counting_futures() as made:
         receipt = await world.recv(bytearray(4), 1, 3)
         assert receipt.length == 4 and receipt.remote_pid == 1
         send = world.send(b"abcd", 1, 3)
         submitted = await send.submitted  # type: ignore[misc]
         assert submitted.length == 4 and send.done()
         assert (await send).length == 4
-    finally:
-        loop.create_future = make  # type: ignore[method-assign]
-    assert made == 0
+    assert made() == 0
     await world.shutdown()
 
 
@@ -255,14 +244,7 @@ class _TurnsWhileAwaited(_Silent):
 async def _counting_futures_and_turns(body: Callable[[], Awaitable[None]]) -> tuple[int, int]:
     """The futures made and the loop's turns (a task that yields in every turn) while
     `body` runs."""
-    loop = asyncio.get_running_loop()
-    made, turns, running = 0, 0, True
-    make = loop.create_future
-
-    def counting() -> asyncio.Future[object]:
-        nonlocal made
-        made += 1
-        return make()
+    turns, running = 0, True
 
     async def turning() -> None:
         nonlocal turns
@@ -272,14 +254,13 @@ async def _counting_futures_and_turns(body: Callable[[], Awaitable[None]]) -> tu
 
     turner = asyncio.ensure_future(turning())
     await asyncio.sleep(0)  # the turner runs from now on
-    loop.create_future = counting  # type: ignore[method-assign]
     try:
-        await body()
+        with counting_futures() as made:
+            await body()
     finally:
-        loop.create_future = make  # type: ignore[method-assign]
         running = False
     await turner
-    return made, turns
+    return made(), turns
 
 
 async def test_an_awaiter_gives_the_loop_the_turns_its_transport_asks_and_makes_no_future() -> None:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from conftest import LAUNCH_OPTIONS, LAUNCHED, THREADED, Fabric, barrier
+from conftest import LAUNCH_OPTIONS, LAUNCHED, THREADED, Fabric, barrier, counting_futures
 
 import mate
 
@@ -844,39 +844,33 @@ async def test_a_reply_that_outlasts_the_spin_is_awaited_with_no_future(fabric: 
     """A reply that comes after SLICE, but while passes still spin (within SPIN): the
     awaiting task's spin gives up for the loop's turn, and the task yields one bare
     turn at a time (`Ledger.waiter`), the queued pass running in each, with no future
-    made for the reply. With a future, every round made one and woke a turn after the
-    pass that ended the reply."""
+    made for the reply. With a future, every round made one (41 of 40 counted) and
+    woke a turn after the pass that ended the reply. A host that takes a rank's core
+    away stretches the wait past SPIN whatever mate does, so the fewest of ten
+    attempts counts (beside a CI run compiling on both cores, one attempt counted
+    46 and the fewest of five 12)."""
     from mate.transports.mpi.progress import SLICE, SPIN
 
-    rounds = 40
+    rounds, attempts = 20, 10
 
     async def program(world: mate.World) -> None:
         await barrier(world)
         if world.mypid <= 1:
-            peer, buf = 1 - world.mypid, bytearray(8)
-            loop = asyncio.get_running_loop()
-            make, made = loop.create_future, 0
-
-            def counting() -> asyncio.Future[object]:
-                nonlocal made
-                made += 1
-                return make()
-
-            loop.create_future = counting  # type: ignore[method-assign]
-            try:
-                for _ in range(rounds):
-                    if world.mypid == 0:
-                        reply = world.recv(buf, peer, tag=27)
-                        await world.send(buf, peer, tag=27)
-                        await reply
-                    else:
-                        await world.recv(buf, peer, tag=27)
-                        compute((SLICE + SPIN) / 2)  # the reply comes after rank 0's spin
-                        await world.send(buf, peer, tag=27)
-            finally:
-                loop.create_future = make  # type: ignore[method-assign]
+            peer, buf, fewest = 1 - world.mypid, bytearray(8), sys.maxsize
+            for _ in range(attempts):
+                with counting_futures() as made:
+                    for _ in range(rounds):
+                        if world.mypid == 0:
+                            reply = world.recv(buf, peer, tag=27)
+                            await world.send(buf, peer, tag=27)
+                            await reply
+                        else:
+                            await world.recv(buf, peer, tag=27)
+                            compute(SLICE + (SPIN - SLICE) / 4)  # after rank 0's spin
+                            await world.send(buf, peer, tag=27)
+                fewest = min(fewest, made())
             if world.mypid == 0:
-                assert made < rounds // 2, made
+                assert fewest < rounds // 2, fewest
         await barrier(world)
 
     async with fabric.open() as group:

@@ -155,8 +155,7 @@ class PollProgress(LoopProgress):
                     return False
         # Given up for the loop's turn, in which the queued poll runs: while passes
         # spin, the task yields that one turn and spins again (as the MPI transport's).
-        return (not done() and self._soon_at is not None
-                and time.monotonic() - self._last_moved < SPIN)
+        return not done() and time.monotonic() - self._last_moved < SPIN
 
     def kick(self) -> None:  # a poll is a pass, which delivers the reports too
         if self._polling or self._stopped:

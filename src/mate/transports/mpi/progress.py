@@ -973,7 +973,7 @@ def loop_slice(engine: Engine, test: Callable[[bool], bool]) -> None:
 def await_spin(engine: Engine, test: Callable[[bool], bool], done: Callable[[], bool],
                give_up: float) -> bool:
     """Passes (`test`) run by a task that awaits, until `done()`, the loop has work, or
-    `give_up`; True if it gave up with the loop given no work.
+    `give_up`; True if it gave up with the loop given no work and passes still spinning.
 
     A message that completes while its task spins here is awaited with no turn
     of the loop and no wake-up of the task. Bounded as `loop_slice` is: only
@@ -995,7 +995,7 @@ def await_spin(engine: Engine, test: Callable[[bool], bool], done: Callable[[], 
         # for on the way from its completion to its task.
         if test(True) and (done() or loop_work() != mark):
             return False
-    return not done() and loop_work() == mark
+    return not done() and loop_work() == mark and engine.backoff.spinning()
 
 
 class PollProgress(Progress):
@@ -1027,8 +1027,8 @@ class PollProgress(Progress):
     def drive_until(self, done: Callable[[], bool]) -> bool:
         turn = False
         if self._soon is not None and self.engine.backoff.spinning():
-            turn = (await_spin(self.engine, self.engine.test, done, self._soon_at + SLICE)
-                    and self.engine.backoff.spinning())  # the queued pass runs in the turn
+            # If it gives up, the queued pass runs in the turn that the task yields.
+            turn = await_spin(self.engine, self.engine.test, done, self._soon_at + SLICE)
         self.schedule(0.0)
         return turn
 
@@ -1202,8 +1202,8 @@ class ThreadProgress(Progress):
             if self._help is not None and self.engine.backoff.spinning():
                 self._clock[0] = math.inf
                 try:
-                    turn = (await_spin(self.engine, self._loop_test, done, self._helped + SLICE)
-                            and self.engine.backoff.spinning())  # the help pass runs in it
+                    # If it gives up, the help pass runs in the turn that the task yields.
+                    turn = await_spin(self.engine, self._loop_test, done, self._helped + SLICE)
                 finally:
                     self._clock[0] = _monotonic()
             self._start_helping()
